@@ -1,0 +1,146 @@
+"""The ``codegen`` command: render, check, list and diff the kernels a spec describes.
+
+Exit codes: 0 done (or up to date, or no difference), 1 out of date / differences found,
+2 a bad spec, a bad argument or a variant that does not exist.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import os
+import pathlib
+import sys
+
+from codegen import load, output, render, validate, variants
+from codegen.errors import SpecError
+from codegen.spec import FamilySpec
+
+EXIT_OK, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
+
+
+class UsageError(Exception):
+    """A command-line mistake the user can fix; printed without a traceback."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    spec: FamilySpec
+    variants: list[variants.Variant]
+    spec_path: str  # as stamped into generated files
+    sha256: str
+
+
+def default_out(spec_path: str) -> pathlib.Path:
+    """``generated/`` beside the spec's folder: ``specs/x.yaml`` renders into ``generated/``."""
+    return pathlib.Path(spec_path).resolve().parent.parent / "generated"
+
+
+def load_family(spec_path: str, out_root: pathlib.Path) -> Family:
+    """Loads, expands and validates; the stamped spec path is relative to the output's project root."""
+    spec, sha256 = load.load(spec_path)
+    found = variants.expand(spec, spec_path)
+    validate.check(spec, found, spec_path)
+    stamped = pathlib.Path(os.path.relpath(pathlib.Path(spec_path).resolve(), out_root.resolve().parent)).as_posix()
+    return Family(spec, found, stamped, sha256)
+
+
+def _render(args: argparse.Namespace) -> int:
+    out_root = pathlib.Path(args.out) if args.out else default_out(args.spec)
+    family = load_family(args.spec, out_root)
+    files = render.render_family(family.spec, family.variants, family.spec_path, family.sha256)
+    plan = output.plan(out_root, family.spec.family, files)
+    if args.check:
+        if plan.clean:
+            print(f"{out_root}/{family.spec.family}: up to date ({len(family.variants)} variants)")
+            return EXIT_OK
+        sys.stdout.write(plan.diff())
+        print(
+            f"{out_root}/{family.spec.family} is out of date ({len(plan.changed)} to write, {len(plan.stale)} stale); "
+            f"fix with: codegen render {args.spec}" + (f" --out {args.out}" if args.out else ""),
+            file=sys.stderr,
+        )
+        return EXIT_DIFFERENT
+    output.apply(plan)
+    print(
+        f"{out_root}/{family.spec.family}: {len(family.variants)} variants, "
+        f"{len(plan.changed)} files written, {len(plan.stale)} stale removed"
+    )
+    return EXIT_OK
+
+
+def _list(args: argparse.Namespace) -> int:
+    family = load_family(args.spec, default_out(args.spec))
+    columns = ("name", "backend", "q_layout", "q_dtype", "weights_dtype", "out_dtype", "block_q", "block_w", "head_chunk", "backward")
+    rows = [[str(v.as_dict()[c]) for c in columns] for v in family.variants]
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
+    for row in [list(columns), ["-" * w for w in widths], *rows]:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    return EXIT_OK
+
+
+def _find(family: Family, name: str) -> variants.Variant:
+    by_name = {v.name: v for v in family.variants}
+    if name not in by_name:
+        close = difflib.get_close_matches(name, by_name, n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else f"; `codegen list` shows all {len(by_name)}"
+        raise UsageError(f"no variant named {name!r} in {family.spec.family}{hint}")
+    return by_name[name]
+
+
+def _diff(args: argparse.Namespace) -> int:
+    family = load_family(args.spec, default_out(args.spec))
+    env = render.environment()
+    sources = [
+        render.render_variant(env, family.spec, _find(family, name), family.spec_path, family.sha256)
+        for name in (args.a, args.b)
+    ]
+    text = "".join(
+        difflib.unified_diff(
+            sources[0].splitlines(keepends=True), sources[1].splitlines(keepends=True), f"{args.a}.py", f"{args.b}.py"
+        )
+    )
+    sys.stdout.write(text)
+    return EXIT_DIFFERENT if text else EXIT_OK
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="codegen", description=__doc__.split("\n\n")[0])
+    commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = commands.add_parser("render", help="render a spec's kernels into generated/", description=(
+        "Render every variant of SPEC. Deterministic: the same spec and templates give byte-identical files; "
+        "files of the family that are no longer rendered are removed."))
+    p.add_argument("spec", metavar="SPEC", help="path to the YAML spec, e.g. specs/csa_v4.yaml")
+    p.add_argument("--out", metavar="DIR", help="output root (default: generated/ beside the spec's folder)")
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 with a unified diff if out of date")
+    p.set_defaults(run=_render)
+
+    p = commands.add_parser("list", help="list a spec's variants and their parameters", description=(
+        "Print a table of every variant SPEC emits, with its resolved parameters."))
+    p.add_argument("spec", metavar="SPEC")
+    p.set_defaults(run=_list)
+
+    p = commands.add_parser("diff", help="diff two variants' generated code", description=(
+        "Print a unified diff of the generated modules of variants A and B, for review. Exit 1 if they differ."))
+    p.add_argument("spec", metavar="SPEC")
+    p.add_argument("a", metavar="A", help="variant name (see `codegen list`)")
+    p.add_argument("b", metavar="B", help="variant name")
+    p.set_defaults(run=_diff)
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except SpecError as err:
+        print(f"error: invalid spec; nothing was written\n{err}", file=sys.stderr)
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+    return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

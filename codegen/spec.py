@@ -1,0 +1,127 @@
+"""Pydantic models of a kernel family spec: what the YAML may say, and nothing more.
+
+Shape rules that hold for every backend live here (positive sizes, names that resolve); rules that
+depend on the backend (block legality) live in ``validate.py``. Unknown keys are errors everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Backend = Literal["tpu", "gpu"]
+QLayout = Literal["head_major", "seq_major"]
+Backward = Literal["fused", "reference"]
+Activation = Literal["relu"]
+StorageDtype = Literal["float32", "bfloat16"]
+AccumDtype = Literal["float32"]
+
+_NAME = re.compile(r"^[a-z][a-z0-9]*$")
+Name = Annotated[str, Field(pattern=_NAME.pattern)]
+
+
+class StrictModel(BaseModel):
+    """Frozen, and every key not declared is an error."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Computation(StrictModel):
+    """The math: ``scale * sum_h weights * activation(q . k)``, masked outside the visible range."""
+
+    activation: Activation = "relu"
+    softmax_scale: Annotated[float, Field(gt=0)] | None = Field(
+        default=None, description="None means head_dim ** -0.5, taken from q at call time."
+    )
+    compress_rate: Annotated[int, Field(ge=1)] = 4
+    masked_value: float = -math.inf
+
+    @field_validator("masked_value")
+    @classmethod
+    def _not_nan(cls, value: float) -> float:
+        if math.isnan(value):
+            raise ValueError("must not be NaN: a NaN would poison the top-k selection")
+        return value
+
+
+class Model(StrictModel):
+    """The production shape the family is validated and costed for."""
+
+    num_heads: Annotated[int, Field(ge=1)] = 64
+    head_dim: Annotated[int, Field(ge=1)] = 128
+
+
+class Tiling(StrictModel):
+    """Rows of queries and compressed blocks per kernel tile."""
+
+    block_q: Annotated[int, Field(ge=1)]
+    block_w: Annotated[int, Field(ge=1)]
+
+
+class DtypePolicy(StrictModel):
+    """Storage dtypes of each operand, and the dtype the contraction accumulates in."""
+
+    qk: StorageDtype
+    weights: StorageDtype
+    accum: AccumDtype = "float32"
+    out: StorageDtype
+
+
+class VariantMatrix(StrictModel):
+    """Every combination of these values is a variant (before ``exclude``)."""
+
+    backend: list[Backend] = Field(min_length=1)
+    q_layout: list[QLayout] = Field(min_length=1)
+    dtype: list[Name] = Field(min_length=1)
+    tiling: list[Name] = Field(min_length=1)
+    head_chunk: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
+    backward: list[Backward] = Field(min_length=1)
+
+
+class VariantChoice(StrictModel):
+    """One concrete point of the matrix axes; used by ``include``."""
+
+    backend: Backend
+    q_layout: QLayout
+    dtype: Name
+    tiling: Name
+    head_chunk: Annotated[int, Field(ge=0)]
+    backward: Backward
+
+
+class VariantSelector(StrictModel):
+    """A partial point: matches every variant that agrees on the fields given; used by ``exclude``."""
+
+    backend: Backend | None = None
+    q_layout: QLayout | None = None
+    dtype: Name | None = None
+    tiling: Name | None = None
+    head_chunk: Annotated[int, Field(ge=0)] | None = None
+    backward: Backward | None = None
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> "VariantSelector":
+        if not self.model_dump(exclude_none=True):
+            raise ValueError("an exclude entry must name at least one field, or it excludes everything")
+        return self
+
+
+class Variants(StrictModel):
+    matrix: VariantMatrix
+    include: list[VariantChoice] = Field(default_factory=list)
+    exclude: list[VariantSelector] = Field(default_factory=list)
+
+
+class FamilySpec(StrictModel):
+    """A kernel family: one computation, rendered in every variant the matrix asks for."""
+
+    family: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]*$")]
+    description: str = ""
+    computation: Computation = Field(default_factory=Computation)
+    model: Model = Field(default_factory=Model)
+    tilings: dict[Name, Tiling] = Field(min_length=1)
+    dtype_policies: dict[Name, DtypePolicy] = Field(min_length=1)
+    variants: Variants
