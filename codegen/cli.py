@@ -42,7 +42,9 @@ def load_family(spec_path: str, out_root: pathlib.Path) -> Family:
     spec, sha256 = load.load(spec_path)
     found = variants.expand(spec, spec_path)
     validate.check(spec, found, spec_path)
-    stamped = pathlib.Path(os.path.relpath(pathlib.Path(spec_path).resolve(), out_root.resolve().parent)).as_posix()
+    stamped = pathlib.Path(
+        os.path.relpath(pathlib.Path(spec_path).resolve(), out_root.resolve().parent)
+    ).as_posix()
     return Family(spec, found, stamped, sha256)
 
 
@@ -72,7 +74,18 @@ def _render(args: argparse.Namespace) -> int:
 
 def _list(args: argparse.Namespace) -> int:
     family = load_family(args.spec, default_out(args.spec))
-    columns = ("name", "backend", "q_layout", "q_dtype", "weights_dtype", "out_dtype", "block_q", "block_w", "head_chunk", "backward")
+    columns = (
+        "name",
+        "backend",
+        "q_layout",
+        "q_dtype",
+        "weights_dtype",
+        "out_dtype",
+        "block_q",
+        "block_w",
+        "head_chunk",
+        "backward",
+    )
     rows = [[str(v.as_dict()[c]) for c in columns] for v in family.variants]
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
     for row in [list(columns), ["-" * w for w in widths], *rows]:
@@ -84,7 +97,9 @@ def _find(family: Family, name: str) -> variants.Variant:
     by_name = {v.name: v for v in family.variants}
     if name not in by_name:
         close = difflib.get_close_matches(name, by_name, n=3)
-        hint = f"; did you mean {', '.join(close)}?" if close else f"; `codegen list` shows all {len(by_name)}"
+        hint = (
+            f"; did you mean {', '.join(close)}?" if close else f"; `codegen list` shows all {len(by_name)}"
+        )
         raise UsageError(f"no variant named {name!r} in {family.spec.family}{hint}")
     return by_name[name]
 
@@ -98,7 +113,10 @@ def _diff(args: argparse.Namespace) -> int:
     ]
     text = "".join(
         difflib.unified_diff(
-            sources[0].splitlines(keepends=True), sources[1].splitlines(keepends=True), f"{args.a}.py", f"{args.b}.py"
+            sources[0].splitlines(keepends=True),
+            sources[1].splitlines(keepends=True),
+            f"{args.a}.py",
+            f"{args.b}.py",
         )
     )
     sys.stdout.write(text)
@@ -109,21 +127,36 @@ def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="codegen", description=__doc__.split("\n\n")[0])
     commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = commands.add_parser("render", help="render a spec's kernels into generated/", description=(
-        "Render every variant of SPEC. Deterministic: the same spec and templates give byte-identical files; "
-        "files of the family that are no longer rendered are removed."))
+    p = commands.add_parser(
+        "render",
+        help="render a spec's kernels into generated/",
+        description=(
+            "Render every variant of SPEC. Deterministic: the same spec and templates give byte-identical files; "
+            "files of the family that are no longer rendered are removed."
+        ),
+    )
     p.add_argument("spec", metavar="SPEC", help="path to the YAML spec, e.g. specs/csa_v4.yaml")
     p.add_argument("--out", metavar="DIR", help="output root (default: generated/ beside the spec's folder)")
-    p.add_argument("--check", action="store_true", help="write nothing; exit 1 with a unified diff if out of date")
+    p.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 with a unified diff if out of date"
+    )
     p.set_defaults(run=_render)
 
-    p = commands.add_parser("list", help="list a spec's variants and their parameters", description=(
-        "Print a table of every variant SPEC emits, with its resolved parameters."))
+    p = commands.add_parser(
+        "list",
+        help="list a spec's variants and their parameters",
+        description=("Print a table of every variant SPEC emits, with its resolved parameters."),
+    )
     p.add_argument("spec", metavar="SPEC")
     p.set_defaults(run=_list)
 
-    p = commands.add_parser("diff", help="diff two variants' generated code", description=(
-        "Print a unified diff of the generated modules of variants A and B, for review. Exit 1 if they differ."))
+    p = commands.add_parser(
+        "diff",
+        help="diff two variants' generated code",
+        description=(
+            "Print a unified diff of the generated modules of variants A and B, for review. Exit 1 if they differ."
+        ),
+    )
     p.add_argument("spec", metavar="SPEC")
     p.add_argument("a", metavar="A", help="variant name (see `codegen list`)")
     p.add_argument("b", metavar="B", help="variant name")

@@ -22,7 +22,7 @@ class SpecError(Exception):
 
     def __init__(self, source: str, problems: list[Problem]):
         self.source = source
-        self.problems = list(dict.fromkeys(problems))
+        self.problems = list({str(p): p for p in problems}.values())
         super().__init__(str(self))
 
     def __str__(self) -> str:

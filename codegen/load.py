@@ -53,5 +53,7 @@ def load(path: str | pathlib.Path) -> tuple[FamilySpec, str]:
     try:
         raw = path.read_bytes()
     except OSError as err:
-        raise SpecError(str(path), [Problem("<file>", str(path), f"cannot be read: {err.strerror}")]) from None
+        raise SpecError(
+            str(path), [Problem("<file>", str(path), f"cannot be read: {err.strerror}")]
+        ) from None
     return parse(raw.decode("utf-8"), str(path)), hashlib.sha256(raw).hexdigest()

@@ -43,7 +43,11 @@ def plan(root: str | pathlib.Path, family: str, files: dict[str, str]) -> Plan:
     )
     family_dir = root / family
     present = (
-        sorted(p.relative_to(root).as_posix() for p in family_dir.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+        sorted(
+            p.relative_to(root).as_posix()
+            for p in family_dir.rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts
+        )
         if family_dir.is_dir()
         else []
     )

@@ -45,7 +45,9 @@ def format_source(source: str) -> str:
     return black.format_str(source, mode=BLACK_MODE)
 
 
-def render_variant(env: jinja2.Environment, spec: FamilySpec, variant: Variant, spec_path: str, spec_sha256: str) -> str:
+def render_variant(
+    env: jinja2.Environment, spec: FamilySpec, variant: Variant, spec_path: str, spec_sha256: str
+) -> str:
     backward_template, backward_summary = _BACKWARD[variant.backward]
     source = env.get_template("module.py.j2").render(
         v=variant,
@@ -61,7 +63,9 @@ def render_variant(env: jinja2.Environment, spec: FamilySpec, variant: Variant, 
     return format_source(source)
 
 
-def render_family(spec: FamilySpec, variants: list[Variant], spec_path: str, spec_sha256: str) -> dict[str, str]:
+def render_family(
+    spec: FamilySpec, variants: list[Variant], spec_path: str, spec_sha256: str
+) -> dict[str, str]:
     """Every file of the family, keyed by its path relative to the output root (``generated/``)."""
     env = environment()
     files = {

@@ -42,7 +42,11 @@ def _tpu_problems(spec: FamilySpec, variant: Variant) -> list[Problem]:
     heads, head_dim, chunk = spec.model.num_heads, spec.model.head_dim, variant.head_chunk
     if chunk and heads % chunk:
         problems.append(
-            Problem(_head_chunk_path(variant), chunk, f"must divide model.num_heads = {heads} (or be 0 for all heads)")
+            Problem(
+                _head_chunk_path(variant),
+                chunk,
+                f"must divide model.num_heads = {heads} (or be 0 for all heads)",
+            )
         )
     elif chunk and chunk != heads and variant.q_layout == "seq_major" and (chunk * head_dim) % TPU_LANES:
         problems.append(

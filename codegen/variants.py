@@ -69,7 +69,11 @@ def _resolve(spec: FamilySpec, choice: dict, origin: str, problems: list[Problem
     tiling = spec.tilings.get(choice["tiling"])
     if policy is None:
         problems.append(
-            Problem(f"{origin}.dtype", choice["dtype"], f"no such dtype policy; defined: {sorted(spec.dtype_policies)}")
+            Problem(
+                f"{origin}.dtype",
+                choice["dtype"],
+                f"no such dtype policy; defined: {sorted(spec.dtype_policies)}",
+            )
         )
     if tiling is None:
         problems.append(
@@ -117,4 +121,3 @@ def expand(spec: FamilySpec, source: str = "<spec>") -> list[Variant]:
     if not variants:
         raise SpecError(source, [Problem("variants", "<none>", "the spec emits no variant")])
     return [variants[name] for name in sorted(variants)]
-

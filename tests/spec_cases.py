@@ -1,0 +1,22 @@
+"""The shipped spec as data, for tests that corrupt one field at a time."""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SPEC_PATH = ROOT / "specs" / "csa_v4.yaml"
+
+
+def shipped() -> dict:
+    return yaml.safe_load(SPEC_PATH.read_text())
+
+
+def edited(edit) -> str:
+    """The shipped spec with ``edit(data)`` applied, as YAML text."""
+    data = copy.deepcopy(shipped())
+    edit(data)
+    return yaml.safe_dump(data, sort_keys=False)

@@ -1,0 +1,194 @@
+"""Spec validation: each rule, and each message names the field path, the value and the rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from codegen import load, validate, variants
+from codegen.errors import SpecError
+from tests.spec_cases import edited, shipped
+
+
+def _problems(text: str) -> str:
+    with pytest.raises(SpecError) as info:
+        spec = load.parse(text, "spec.yaml")
+        validate.check(spec, variants.expand(spec, "spec.yaml"), "spec.yaml")
+    return str(info.value)
+
+
+def _set(path: str, value):
+    def edit(data):
+        *parents, leaf = path.split(".")
+        node = data
+        for key in parents:
+            node = node[key]
+        node[leaf] = value
+
+    return edit
+
+
+def _drop(path: str):
+    def edit(data):
+        *parents, leaf = path.split(".")
+        node = data
+        for key in parents:
+            node = node[key]
+        del node[leaf]
+
+    return edit
+
+
+CASES = {
+    # name: (edit, expected fragments of the message: path, value, rule)
+    "unknown_top_level_key": (_set("tiling_default", 3), ["tiling_default = 3", "unknown key"]),
+    "unknown_nested_key": (_set("tilings.prod.blockq", 128), ["tilings.prod.blockq = 128", "unknown key"]),
+    "missing_field": (_drop("tilings.prod.block_w"), ["tilings.prod.block_w", "required field is missing"]),
+    "block_w_not_lane_multiple": (
+        _set("tilings.small.block_w", 100),
+        ["tilings.small.block_w = 100", "multiple of 128 on TPU"],
+    ),
+    "block_q_not_sublane_multiple": (
+        _set("tilings.prod.block_q", 100),
+        ["tilings.prod.block_q = 100", "multiple of 8 on TPU"],
+    ),
+    "nonpositive_block": (
+        _set("tilings.prod.block_q", 0),
+        ["tilings.prod.block_q = 0", "greater than or equal to 1"],
+    ),
+    "head_chunk_not_dividing_heads": (
+        _set("variants.matrix.head_chunk", [0, 24]),
+        ["variants.matrix.head_chunk = 24", "must divide model.num_heads = 64"],
+    ),
+    "negative_head_chunk": (
+        _set("variants.matrix.head_chunk", [-1]),
+        ["variants.matrix.head_chunk[0] = -1", "greater than or equal to 0"],
+    ),
+    "seq_major_chunk_not_lane_aligned": (
+        lambda d: (_set("model.head_dim", 64)(d), _set("variants.matrix.head_chunk", [0, 1])(d)),
+        ["variants.matrix.head_chunk = 1", "seq_major", "multiple of 128"],
+    ),
+    "unknown_dtype_policy": (
+        _set("variants.matrix.dtype", ["f32", "fp16"]),
+        ["variants.matrix.dtype = 'fp16'", "no such dtype policy", "'bf16'"],
+    ),
+    "unknown_tiling_in_include": (
+        lambda d: d["variants"]["include"][0].update(tiling="huge"),
+        ["variants.include[0].tiling = 'huge'", "no such tiling"],
+    ),
+    "unsupported_storage_dtype": (
+        _set("dtype_policies.f32.qk", "float16"),
+        ["dtype_policies.f32.qk = 'float16'", "'float32' or 'bfloat16'"],
+    ),
+    "bf16_accumulation": (
+        _set("dtype_policies.bf16.accum", "bfloat16"),
+        ["dtype_policies.bf16.accum = 'bfloat16'", "'float32'"],
+    ),
+    "compress_rate_zero": (
+        _set("computation.compress_rate", 0),
+        ["computation.compress_rate = 0", "greater than or equal to 1"],
+    ),
+    "negative_scale": (
+        _set("computation.softmax_scale", -0.5),
+        ["computation.softmax_scale = -0.5", "greater than 0"],
+    ),
+    "nan_masked_value": (_set("computation.masked_value", float("nan")), ["computation.masked_value", "NaN"]),
+    "unknown_activation": (
+        _set("computation.activation", "gelu"),
+        ["computation.activation = 'gelu'", "'relu'"],
+    ),
+    "bad_policy_name": (
+        lambda d: d["dtype_policies"].update({"BF-16": d["dtype_policies"]["bf16"]}),
+        ["dtype_policies.BF-16", "pattern"],
+    ),
+    "exclude_matches_nothing": (
+        _set("variants.exclude", [{"dtype": "bf16f32"}]),
+        ["variants.exclude[0]", "matches no variant"],
+    ),
+    "empty_exclude_entry": (_set("variants.exclude", [{}]), ["variants.exclude[0]", "at least one field"]),
+    "include_duplicates_matrix": (
+        lambda d: d["variants"]["include"].append(
+            dict(
+                backend="tpu",
+                q_layout="head_major",
+                dtype="f32",
+                tiling="small",
+                head_chunk=0,
+                backward="reference",
+            )
+        ),
+        ["variants.include[1] = 'tpu_hm_f32_q16_w128_hcall_refbwd'", "duplicates"],
+    ),
+    "unknown_backend": (
+        _set("variants.matrix.backend", ["tpu", "npu"]),
+        ["variants.matrix.backend[1] = 'npu'"],
+    ),
+    "gpu_not_renderable_yet": (
+        _set("variants.matrix.backend", ["tpu", "gpu"]),
+        ["variants.matrix.backend = 'gpu'", "no templates for this backend"],
+    ),
+    "empty_matrix_axis": (
+        _set("variants.matrix.q_layout", []),
+        ["variants.matrix.q_layout = []", "at least 1"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_invalid_spec_is_rejected_with_path_value_and_rule(case):
+    edit, fragments = CASES[case]
+    message = _problems(edited(edit))
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in:\n{message}"
+    assert message.startswith("spec.yaml: ")
+
+
+def test_shipped_spec_is_valid_and_covers_the_required_axes():
+    spec = load.parse(edited(lambda d: None), "spec.yaml")
+    found = variants.expand(spec, "spec.yaml")
+    validate.check(spec, found, "spec.yaml")
+    assert len(found) >= 8
+    assert {v.q_layout for v in found} == {"head_major", "seq_major"}
+    assert {v.policy.qk for v in found} >= {"float32", "bfloat16"}
+    assert {bool(v.head_chunk) for v in found} == {True, False}
+    assert (128, 1024) in {(v.block_q, v.block_w) for v in found}
+    assert len({(v.block_q, v.block_w) for v in found}) >= 2
+
+
+def test_names_are_stable_and_readable():
+    spec = load.parse(edited(lambda d: None), "spec.yaml")
+    names = [v.name for v in variants.expand(spec)]
+    assert "tpu_hm_bf16_q128_w1024_hc16_refbwd" in names
+    assert "tpu_sm_f32_q16_w128_hcall_refbwd" in names
+    assert names == sorted(set(names))
+
+
+def test_exclude_then_include():
+    def edit(data):
+        data["variants"]["exclude"] = [{"tiling": "small"}]
+
+    spec = load.parse(edited(edit), "spec.yaml")
+    found = variants.expand(spec)
+    assert all(v.tiling == "prod" for v in found)
+    assert len(found) == 8 + 1  # the matrix's production half, plus the one include
+
+
+def test_all_problems_are_reported_at_once():
+    def edit(data):
+        data["tilings"]["small"]["block_w"] = 100
+        data["tilings"]["prod"]["block_q"] = 12
+
+    message = _problems(edited(edit))
+    assert "tilings.small.block_w = 100" in message and "tilings.prod.block_q = 12" in message
+    assert message.count("tilings.small.block_w") == 1  # once, though several variants use it
+
+
+@pytest.mark.parametrize(
+    "text, fragment",
+    [("family: [unclosed", "not valid YAML"), ("- just\n- a list\n", "must be a mapping")],
+)
+def test_unparseable_spec(text, fragment):
+    assert fragment in _problems(text)
+
+
+def test_shipped_spec_round_trips():
+    assert shipped()["family"] == "csa_v4"

@@ -1,0 +1,131 @@
+"""The shared harness: every generated variant, discovered from ``VARIANTS``, against the reference."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from generated.csa_v4 import VARIANTS
+from tests import support
+
+NAMES = sorted(VARIANTS)
+
+# (B, H, S, D, W). Every H is a multiple of 16 so each head-chunked variant runs.
+FORWARD_SHAPES = {
+    "ragged_two_chunks": (2, 32, 40, 128, 300),  # ragged S and W, two head chunks of 16
+    "single_query_single_block": (1, 16, 1, 128, 1),
+    "short_s_narrow_d": (1, 16, 5, 64, 129),  # S < every block_q; W one past a lane tile; D < 128
+    "several_production_tiles": (1, 32, 136, 128, 1100),  # > one 128 x 1024 tile each way
+}
+GRADIENT_SHAPES = {
+    "ragged": (2, 32, 37, 128, 150),
+    "tiny": (1, 16, 3, 64, 1),
+}
+
+
+def _module(name):
+    return VARIANTS[name]
+
+
+@pytest.mark.parametrize("shape_name", sorted(FORWARD_SHAPES))
+@pytest.mark.parametrize("name", NAMES)
+def test_forward_matches_reference(name, shape_name):
+    module = _module(name)
+    shape = FORWARD_SHAPES[shape_name]
+    q, k, weights = support.make_inputs(module.VARIANT, shape, seed=sorted(FORWARD_SHAPES).index(shape_name))
+    out = module.score(q, k, weights, interpret=True)  # interpret mode fills outputs with NaN first
+    assert out.dtype == jnp.dtype(module.VARIANT["out_dtype"])
+    support.assert_close(f"{name} {shape}", out, support.reference_score(module.VARIANT, q, k, weights))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_forward_tpu_interpret(name):
+    """TPU-faithful interpretation: NaN-poisoned memory, race detection, out-of-bounds reads raise."""
+    module = _module(name)
+    q, k, weights = support.make_inputs(module.VARIANT, (2, 32, 21, 128, 260), seed=7)
+    out = module.score(q, k, weights, softmax_scale=0.3, interpret=support.tpu_interpret_params())
+    assert not support.races_found()
+    support.assert_close(name, out, support.reference_score(module.VARIANT, q, k, weights, softmax_scale=0.3))
+
+
+@pytest.mark.parametrize("shape_name", sorted(GRADIENT_SHAPES))
+@pytest.mark.parametrize("name", NAMES)
+def test_gradients_match_reference_vjp(name, shape_name):
+    module = _module(name)
+    variant = module.VARIANT
+    shape = GRADIENT_SHAPES[shape_name]
+    q, k, weights = support.make_inputs(variant, shape, seed=11)
+    batch, _, seq_len, _, num_blocks = shape
+    cotangent = jax.random.normal(jax.random.PRNGKey(12), (batch, seq_len, num_blocks)).astype(
+        variant["out_dtype"]
+    )
+
+    _, vjp = jax.vjp(functools.partial(module.score, interpret=True), q, k, weights)
+    grads = vjp(cotangent)
+    _, ref_vjp = jax.vjp(functools.partial(support.reference_score, variant), q, k, weights)
+    ref_grads = ref_vjp(cotangent.astype(jnp.float32))
+
+    for arg, grad, ref_grad, primal in zip(("q", "k", "weights"), grads, ref_grads, (q, k, weights)):
+        assert grad.dtype == primal.dtype, f"d{arg} is {grad.dtype}, its input is {primal.dtype}"
+        support.assert_close(f"{name} d{arg} {shape}", grad, ref_grad)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_lowers_for_tpu(name):
+    """Mosaic's TPU lowering accepts the forward and the gradient at the production head shape."""
+    module = _module(name)
+    q, k, weights = support.make_inputs(module.VARIANT, (1, 64, 256, 128, 2048), seed=0)
+    text = support.lower_for_tpu(module.score, q, k, weights)
+    assert text.count("tpu_custom_call") == 1
+
+    def loss(q, k, weights):
+        return jnp.sum(module.score(q, k, weights).astype(jnp.float32))
+
+    grad_text = support.lower_for_tpu(jax.grad(loss, argnums=(0, 1, 2)), q, k, weights)
+    assert "tpu_custom_call" in grad_text
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_variant_metadata_matches_behaviour(name):
+    """VARIANT is what the module does: its dtypes are enforced and its name is its file's."""
+    module = _module(name)
+    variant = module.VARIANT
+    assert module.__name__.rsplit(".", 1)[-1] == variant["name"] == name
+    assert variant["q_layout"] in ("head_major", "seq_major")
+    assert {"backend", "q_dtype", "k_dtype", "weights_dtype", "out_dtype", "block_q", "block_w"} <= set(
+        variant
+    )
+    assert {"head_chunk", "backward"} <= set(variant)
+    for key in ("q_dtype", "k_dtype", "weights_dtype", "out_dtype"):
+        np.dtype(jnp.dtype(variant[key]))  # a real dtype name
+
+
+def test_poisoned_output_catches_an_unwritten_tile():
+    """The harness's poison works: a kernel that skips one tile fails ``assert_close``.
+
+    ``interpret=True`` leaves the unwritten tile NaN; the TPU interpreter, like a TPU, copies out
+    the stale VMEM buffer of the previous tile, which the value comparison catches.
+    """
+    from jax.experimental import pallas as pl
+
+    def kernel(x_ref, o_ref):
+        @pl.when(pl.program_id(0) != 1)
+        def _write():
+            o_ref[...] = x_ref[...]
+
+    x = jax.random.normal(jax.random.PRNGKey(0), (24, 128), jnp.float32)
+    for interpret in (True, support.tpu_interpret_params()):
+        out = pl.pallas_call(
+            kernel,
+            grid=(3,),
+            in_specs=[pl.BlockSpec((8, 128), lambda i: (i, 0))],
+            out_specs=pl.BlockSpec((8, 128), lambda i: (i, 0)),
+            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+            interpret=interpret,
+        )(x)
+        with pytest.raises(AssertionError, match="non-finite|relative error"):
+            support.assert_close("skipped tile", out, x)
