@@ -20,6 +20,10 @@ BLACK_MODE = black.Mode(line_length=110, target_versions={black.TargetVersion.PY
 _BYTES = {"float32": 4, "bfloat16": 2}
 _SUBLANES_BY_BYTES = {4: 8, 2: 16, 1: 32}  # native TPU tiling: narrower dtypes pack more rows per vreg
 _BACKWARD = {
+    "fused": (
+        "tpu/backward.py.j2",
+        "two fused Pallas kernels (dq with dweights, and dk) that recompute logits in VMEM",
+    ),
     "reference": ("backward/reference.py.j2", "the reference VJP in float32, scanned over head chunks"),
 }
 

@@ -13,7 +13,7 @@ from codegen.variants import Variant
 TPU_SUBLANES = 8
 TPU_LANES = 128
 RENDERABLE_BACKENDS = ("tpu",)
-RENDERABLE_BACKWARDS = ("reference",)
+RENDERABLE_BACKWARDS = ("fused", "reference")
 
 
 def _head_chunk_path(variant: Variant) -> str:

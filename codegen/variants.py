@@ -113,7 +113,13 @@ def expand(spec: FamilySpec, source: str = "<spec>") -> list[Variant]:
         if variant is None:
             continue
         if variant.name in variants:
-            problems.append(Problem(origin, variant.name, "duplicates a variant the matrix already emits"))
+            problems.append(
+                Problem(
+                    origin,
+                    variant.name,
+                    "duplicates a variant already emitted (by the matrix or an earlier include)",
+                )
+            )
         variants[variant.name] = variant
 
     if problems:

@@ -104,7 +104,7 @@ def test_list_shows_every_variant_with_parameters(capsys):
 
 
 def test_diff_of_two_variants_is_a_reviewable_unified_diff(capsys):
-    a, b = "tpu_hm_f32_q128_w1024_hc16_refbwd", "tpu_hm_f32_q128_w1024_hcall_refbwd"
+    a, b = "tpu_hm_f32_q128_w1024_hc16", "tpu_hm_f32_q128_w1024_hcall"
     assert cli.main(["diff", str(SPEC_PATH), a, b]) == 1
     out = capsys.readouterr().out
     assert out.startswith(f"--- {a}.py\n+++ {b}.py\n")
@@ -113,11 +113,24 @@ def test_diff_of_two_variants_is_a_reviewable_unified_diff(capsys):
     assert capsys.readouterr().out == ""
 
 
-def test_diff_of_an_unknown_variant_suggests_names(capsys):
+def test_diff_between_fused_and_reference_backward_touches_only_the_backward(capsys):
+    fused, reference = "tpu_sm_bf16_q128_w1024_hc16", "tpu_sm_bf16_q128_w1024_hc16_refbwd"
+    assert cli.main(["diff", str(SPEC_PATH), fused, reference]) == 1
+    changed = [
+        line for line in capsys.readouterr().out.splitlines()[2:] if line[:1] in "+-" and line[1:].strip()
+    ]
     assert (
-        cli.main(["diff", str(SPEC_PATH), "tpu_hm_f32_q128_w1024_hc16_refbwd", "tpu_hm_f32_q128_w1024_hc8"])
-        == 2
+        "-def _dk_kernel(q_ref, k_ref, weights_ref, g_ref, dk_ref, dk_acc, *, softmax_scale, head_dim):"
+        in changed
     )
+    assert "+def _chunk_score(q_chunk, k, weights_chunk, softmax_scale):" in changed
+    assert not [
+        line for line in changed if "_forward" in line or "BLOCK_" in line or "_contract_heads" in line
+    ]
+
+
+def test_diff_of_an_unknown_variant_suggests_names(capsys):
+    assert cli.main(["diff", str(SPEC_PATH), "tpu_hm_f32_q128_w1024_hc16", "tpu_hm_f32_q128_w1024_hc8"]) == 2
     err = capsys.readouterr().err
     assert "no variant named 'tpu_hm_f32_q128_w1024_hc8'" in err and "did you mean" in err
 

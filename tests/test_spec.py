@@ -113,10 +113,10 @@ CASES = {
                 dtype="f32",
                 tiling="small",
                 head_chunk=0,
-                backward="reference",
+                backward="fused",
             )
         ),
-        ["variants.include[1] = 'tpu_hm_f32_q16_w128_hcall_refbwd'", "duplicates"],
+        ["variants.include[3] = 'tpu_hm_f32_q16_w128_hcall'", "duplicates a variant already emitted"],
     ),
     "unknown_backend": (
         _set("variants.matrix.backend", ["tpu", "npu"]),
@@ -152,13 +152,16 @@ def test_shipped_spec_is_valid_and_covers_the_required_axes():
     assert {bool(v.head_chunk) for v in found} == {True, False}
     assert (128, 1024) in {(v.block_q, v.block_w) for v in found}
     assert len({(v.block_q, v.block_w) for v in found}) >= 2
+    assert all(v.backward == "fused" for v in found if v.origin == "variants.matrix")
+    assert {v.backward for v in found} == {"fused", "reference"}
 
 
 def test_names_are_stable_and_readable():
     spec = load.parse(edited(lambda d: None), "spec.yaml")
     names = [v.name for v in variants.expand(spec)]
-    assert "tpu_hm_bf16_q128_w1024_hc16_refbwd" in names
-    assert "tpu_sm_f32_q16_w128_hcall_refbwd" in names
+    assert "tpu_hm_bf16_q128_w1024_hc16" in names
+    assert "tpu_sm_f32_q16_w128_hcall" in names
+    assert "tpu_sm_bf16_q128_w1024_hc16_refbwd" in names  # the flag appears only when it is on
     assert names == sorted(set(names))
 
 
@@ -168,8 +171,9 @@ def test_exclude_then_include():
 
     spec = load.parse(edited(edit), "spec.yaml")
     found = variants.expand(spec)
-    assert all(v.tiling == "prod" for v in found)
-    assert len(found) == 8 + 1  # the matrix's production half, plus the one include
+    assert all(v.tiling == "prod" for v in found if v.origin == "variants.matrix")
+    assert [v.tiling for v in found if v.origin != "variants.matrix"].count("small") == 1  # an include
+    assert len(found) == 8 + 3  # the matrix's production half, plus the three includes
 
 
 def test_all_problems_are_reported_at_once():

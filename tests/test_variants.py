@@ -86,7 +86,39 @@ def test_lowers_for_tpu(name):
         return jnp.sum(module.score(q, k, weights).astype(jnp.float32))
 
     grad_text = support.lower_for_tpu(jax.grad(loss, argnums=(0, 1, 2)), q, k, weights)
-    assert "tpu_custom_call" in grad_text
+    if module.VARIANT["backward"] == "fused":
+        # The forward plus the dq/dweights and dk kernels, and no loop over head chunks around them.
+        assert grad_text.count("tpu_custom_call") == 3
+        assert "stablehlo.while" not in grad_text
+    else:
+        assert grad_text.count("tpu_custom_call") == 1
+        assert "stablehlo.while" in grad_text  # the reference VJP scans over head chunks
+
+
+REFERENCE_TWINS = sorted(
+    (name, name.removesuffix("_refbwd"))
+    for name in NAMES
+    if VARIANTS[name].VARIANT["backward"] == "reference" and name.removesuffix("_refbwd") in VARIANTS
+)
+
+
+def test_some_reference_variant_has_a_fused_twin():
+    assert REFERENCE_TWINS, "the spec should emit a reference-backward twin of a fused variant"
+
+
+@pytest.mark.parametrize("reference_name, fused_name", REFERENCE_TWINS)
+def test_fused_and_reference_backward_agree(reference_name, fused_name):
+    """Twins differ only in the backward: their gradients agree to the gradient dtype's tolerance."""
+    twins = [VARIANTS[reference_name], VARIANTS[fused_name]]
+    variant = twins[0].VARIANT
+    q, k, weights = support.make_inputs(variant, (2, 32, 45, 128, 1030), seed=5)
+    cotangent = jax.random.normal(jax.random.PRNGKey(6), (2, 45, 1030)).astype(variant["out_dtype"])
+    grads = [
+        jax.vjp(functools.partial(module.score, interpret=True), q, k, weights)[1](cotangent)
+        for module in twins
+    ]
+    for arg, reference_grad, fused_grad in zip(("q", "k", "weights"), *grads):
+        support.assert_close(f"d{arg}", fused_grad, reference_grad.astype(jnp.float32))
 
 
 @pytest.mark.parametrize("name", NAMES)
