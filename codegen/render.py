@@ -6,6 +6,7 @@ rendering twice gives byte-identical files.
 
 from __future__ import annotations
 
+import math
 import pathlib
 
 import black
@@ -45,6 +46,11 @@ def sublanes(variant: Variant) -> int:
     return _SUBLANES_BY_BYTES[min(_BYTES[policy.qk], _BYTES[policy.weights], _BYTES[policy.out])]
 
 
+def _float_literal(value: float) -> str:
+    """A Python expression for ``value`` (``float("-inf")`` for infinities)."""
+    return repr(value) if math.isfinite(value) else f'float("{value}")'
+
+
 def format_source(source: str) -> str:
     return black.format_str(source, mode=BLACK_MODE)
 
@@ -61,6 +67,7 @@ def render_variant(
         sublanes=sublanes(variant),
         precision="HIGHEST" if variant.policy.qk == "float32" else "DEFAULT",
         default_scale=spec.computation.softmax_scale,
+        masked_value=_float_literal(spec.computation.masked_value),
         backward_template=backward_template,
         backward_summary=backward_summary,
     )

@@ -119,10 +119,7 @@ def test_diff_between_fused_and_reference_backward_touches_only_the_backward(cap
     changed = [
         line for line in capsys.readouterr().out.splitlines()[2:] if line[:1] in "+-" and line[1:].strip()
     ]
-    assert (
-        "-def _dk_kernel(q_ref, k_ref, weights_ref, g_ref, dk_ref, dk_acc, *, softmax_scale, head_dim):"
-        in changed
-    )
+    assert "-def _dk_kernel(" in changed
     assert "+def _chunk_score(q_chunk, k, weights_chunk, softmax_scale):" in changed
     assert not [
         line for line in changed if "_forward" in line or "BLOCK_" in line or "_contract_heads" in line

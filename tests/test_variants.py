@@ -89,7 +89,9 @@ def test_lowers_for_tpu(name):
     def loss(q, k, weights):
         return jnp.sum((module.score(q, k, weights) * cotangent).astype(jnp.float32))
 
-    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, weights).lower(lowering_platforms=("tpu",))
+    lowered = (
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, weights).lower(lowering_platforms=("tpu",))
+    )
     audit = hlo_audit.analyse(lowered.compiler_ir("stablehlo"), shape[2] * shape[4], name)
     big_in_score = sum(count for (owner, *_), count in audit.big_ops.items() if owner == "score")
     if module.VARIANT["backward"] == "fused":

@@ -41,6 +41,7 @@ K_DTYPE = jnp.float32
 WEIGHTS_DTYPE = jnp.float32
 ACCUM_DTYPE = jnp.float32
 OUT_DTYPE = jnp.float32
+MASKED_VALUE = float("-inf")  # every entry a query may not see
 # Padding granule of a shrunk block: the native sublane tiling of the narrowest dtype in a q-row block.
 SUBLANES = 8
 LANES = 128
@@ -103,6 +104,21 @@ def _check_scale(softmax_scale):
     return scale
 
 
+def _check_kv_bound(name, bound, shape, default):
+    """An integer [B, S] visibility bound as int32; ``default`` everywhere when None."""
+    if bound is None:
+        return jnp.full(shape, default, jnp.int32)
+    if not hasattr(bound, "shape") or not hasattr(bound, "dtype"):
+        raise ValueError(f"{name} must be an integer array [B, S], got {type(bound).__name__}")
+    if tuple(bound.shape) != shape:
+        raise ValueError(
+            f"{name} must be [B={shape[0]}, S={shape[1]}] to match q, got shape {tuple(bound.shape)}"
+        )
+    if not jnp.issubdtype(bound.dtype, jnp.integer):
+        raise ValueError(f"{name} must be an integer array (int32), got {bound.dtype}")
+    return jnp.asarray(bound, jnp.int32)
+
+
 def _round_up(x, multiple):
     return -(-x // multiple) * multiple
 
@@ -129,11 +145,17 @@ def _crop_to(x, shape):
 
 
 class _Operands(NamedTuple):
-    """Kernel-ready operands: padded to whole tiles, and laid out so every block is legal on TPU."""
+    """Kernel-ready operands: padded to whole tiles, laid out so every block is legal on TPU, and the
+    visible range of every query and every tile."""
 
     q: jax.Array  # [B, S_pad, H * D]: each head is a group of D lanes
     k: jax.Array  # [B, W_pad, D]
     weights: jax.Array  # [B, S_pad, H]
+    kv_bounds: jax.Array  # [B, S_pad, 2] int32: each query's visible [kv_start, kv_end); padding sees nothing
+    w_lo: jax.Array  # [B, S_pad // block_q] int32: first w block any query of the q block sees
+    w_hi: jax.Array  # [B, S_pad // block_q] int32: one past the last; w_lo == w_hi when it sees none
+    q_lo: jax.Array  # [B, W_pad // block_w] int32: first q block that sees the w block
+    q_hi: jax.Array  # [B, W_pad // block_w] int32: one past the last
     batch: int
     num_heads: int
     seq_len: int
@@ -144,19 +166,78 @@ class _Operands(NamedTuple):
     block_q: int
     block_w: int
 
+    @property
+    def num_chunks(self):
+        return self.num_heads // (HEAD_CHUNK or self.num_heads)
 
-def _prepare(q, k, weights):
+
+def _tile_ranges(kv_start, kv_end, block_q, block_w, num_w_blocks):
+    """Which (q block, w block) tiles hold any visible entry, as ranges small enough for SMEM.
+
+    A q block's visible w blocks are contiguous (the union of its rows' ranges is covered by
+    [min kv_start, max kv_end)); a w block's q blocks may have holes, so [q_lo, q_hi) only bounds
+    them and the kernels test each tile exactly.
+    """
+    batch, seq_pad = kv_start.shape
+    rows = lambda x: x.reshape(batch, seq_pad // block_q, block_q)
+    nonempty = rows(kv_end > kv_start)
+    first = jnp.min(jnp.where(nonempty, rows(kv_start), jnp.iinfo(jnp.int32).max), axis=2)
+    last = jnp.max(jnp.where(nonempty, rows(kv_end), 0), axis=2)
+    seen = jnp.any(nonempty, axis=2)
+    w_lo = jnp.where(seen, first // block_w, 0).astype(jnp.int32)
+    w_hi = jnp.where(seen, -(-last // block_w), 0).astype(jnp.int32)
+    w_blocks = jnp.arange(num_w_blocks, dtype=jnp.int32)
+    active = (w_lo[:, :, None] <= w_blocks) & (w_blocks < w_hi[:, :, None])  # [B, q blocks, w blocks]
+    any_active = jnp.any(active, axis=1)
+    num_q_blocks = active.shape[1]
+    q_lo = jnp.where(any_active, jnp.argmax(active, axis=1), 0).astype(jnp.int32)
+    q_hi = jnp.where(any_active, num_q_blocks - jnp.argmax(active[:, ::-1], axis=1), 0).astype(jnp.int32)
+    return w_lo, w_hi, q_lo, q_hi
+
+
+def _prepare(q, k, weights, kv_start, kv_end):
     batch, num_heads, seq_len, head_dim = _q_dims(q)
     num_blocks = k.shape[1]
     block_q, block_w = _tiles(seq_len, num_blocks)
-    seq_pad = _round_up(seq_len, block_q)
+    seq_pad, blocks_pad = _round_up(seq_len, block_q), _round_up(num_blocks, block_w)
     q = _pad_to(q, 1, seq_pad).reshape(batch, seq_pad, num_heads * head_dim)  # a free reshape
     weights = _pad_to(weights, 1, seq_pad)
-    blocks_pad = _round_up(num_blocks, block_w)
     k = _pad_to(k, 1, blocks_pad)
+    # Clip to the blocks that exist, and give padding queries the empty range.
+    kv_start = _pad_to(jnp.clip(kv_start.astype(jnp.int32), 0, num_blocks), 1, seq_pad)
+    kv_end = _pad_to(jnp.clip(kv_end.astype(jnp.int32), 0, num_blocks), 1, seq_pad)
+    ranges = _tile_ranges(kv_start, kv_end, block_q, block_w, blocks_pad // block_w)
+    kv_bounds = jnp.stack([kv_start, kv_end], axis=-1)
     return _Operands(
-        q, k, weights, batch, num_heads, seq_len, num_blocks, head_dim, seq_pad, blocks_pad, block_q, block_w
+        q, k, weights, kv_bounds, *ranges,
+        batch, num_heads, seq_len, num_blocks, head_dim, seq_pad, blocks_pad, block_q, block_w,
+    )  # fmt: skip
+
+
+def _block_specs(ops, fetch):
+    """BlockSpecs of every operand, for a grid whose points map to blocks through ``fetch``.
+
+    ``fetch(*grid_indices, *scalar_prefetch_refs) -> (b, c, i, j)``: the batch, head chunk, q block
+    and w block whose tiles are in VMEM at that grid point.
+    """
+    heads = HEAD_CHUNK or ops.num_heads
+
+    def spec(block_shape, place):
+        return pl.BlockSpec(block_shape, lambda *grid: place(*fetch(*grid)))
+
+    return dict(
+        q=spec((None, ops.block_q, heads * ops.head_dim), lambda b, c, i, j: (b, i, c)),
+        k=spec((None, ops.block_w, ops.head_dim), lambda b, c, i, j: (b, j, 0)),
+        weights=spec((None, ops.block_q, heads), lambda b, c, i, j: (b, i, 0)),
+        kv_bounds=spec((None, ops.block_q, 2), lambda b, c, i, j: (b, i, 0)),
+        tile=spec((None, ops.block_q, ops.block_w), lambda b, c, i, j: (b, i, j)),
     )
+
+
+def _clamp(x, lo, hi):
+    """x clamped into the half-open [lo, hi) (to lo when it is empty): where a skipped step points
+    its index map so that it names a block already in VMEM and no DMA is issued."""
+    return jnp.minimum(jnp.maximum(x, lo), jnp.maximum(hi - 1, lo))
 
 
 def _q_head(q_ref, h, head_dim):
@@ -171,6 +252,18 @@ def _logits(q_h, k):
     )
 
 
+def _tile_active(w_lo_ref, w_hi_ref, b, i, j):
+    """Whether tile (q block i, w block j) holds any visible entry; a skipped tile does no matmul."""
+    return (w_lo_ref[b, i] <= j) & (j < w_hi_ref[b, i])
+
+
+def _visible(kv_bounds_ref, j, block_w):
+    """[block_q, block_w] bool: query row r may see compressed block j * block_w + col."""
+    bounds = kv_bounds_ref[...]  # [block_q, 2]: kv_start, kv_end
+    cols = j * block_w + jax.lax.broadcasted_iota(jnp.int32, (bounds.shape[0], block_w), 1)
+    return (bounds[:, 0:1] <= cols) & (cols < bounds[:, 1:2])
+
+
 def _contract_heads(q_ref, k, weights, head_dim):
     """sum_h weights[:, h] * relu(q_h . k^T) over the heads in this block: [block_q, block_w] float32."""
     acc = None
@@ -180,39 +273,55 @@ def _contract_heads(q_ref, k, weights, head_dim):
     return acc
 
 
-def _forward_kernel(q_ref, k_ref, weights_ref, out_ref, *, softmax_scale, head_dim):
+def _forward_kernel(
+    w_lo_ref, w_hi_ref, q_ref, k_ref, weights_ref, kv_bounds_ref, out_ref, *, softmax_scale, head_dim
+):
     """One [block_q, block_w] score tile; all heads are contracted in this grid step."""
-    weights = weights_ref[...].astype(ACCUM_DTYPE)  # [block_q, H]
-    acc = _contract_heads(q_ref, k_ref[...], weights, head_dim)
-    out_ref[...] = (softmax_scale * acc).astype(out_ref.dtype)
+    b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    active = _tile_active(w_lo_ref, w_hi_ref, b, i, j)
+
+    @pl.when(active)
+    def _store():
+        weights = weights_ref[...].astype(ACCUM_DTYPE)  # [block_q, H]
+        acc = _contract_heads(q_ref, k_ref[...], weights, head_dim)
+        visible = _visible(kv_bounds_ref, j, out_ref.shape[-1])
+        out_ref[...] = jnp.where(visible, softmax_scale * acc, MASKED_VALUE).astype(out_ref.dtype)
+
+    @pl.when(jnp.logical_not(active))
+    def _store_masked():
+        out_ref[...] = jnp.full(out_ref.shape, MASKED_VALUE, out_ref.dtype)
 
 
-def _forward(q, k, weights, softmax_scale, interpret):
+def _forward(q, k, weights, kv_start, kv_end, softmax_scale, interpret):
     """The score through one pallas_call; never holds more than a [block_q, block_w] tile of logits."""
-    ops = _prepare(q, k, weights)
-    batch, seq_pad, blocks_pad = ops.batch, ops.seq_pad, ops.blocks_pad
-    block_q, block_w, head_dim = ops.block_q, ops.block_w, ops.head_dim
-    heads_per_step = HEAD_CHUNK or ops.num_heads
+    ops = _prepare(q, k, weights, kv_start, kv_end)
+    num_q_blocks, num_w_blocks = ops.seq_pad // ops.block_q, ops.blocks_pad // ops.block_w
+
+    def fetch(b, i, j, w_lo, w_hi):
+        # A skipped tile keeps what is in VMEM: k clamped into the visible range.
+        return b, 0, i, _clamp(j, w_lo[b, i], w_hi[b, i])
+
     # Grid (batch, q block, w block): every tile is independent.
-    grid = (batch, seq_pad // block_q, blocks_pad // block_w)
+    grid = (ops.batch, num_q_blocks, num_w_blocks)
     semantics = ("parallel", "parallel", "parallel")
     scratch_shapes = []
+    here = lambda b, i, j, *_: (b, 0, i, j)
+    inputs = _block_specs(ops, fetch)
     out = pl.pallas_call(
-        functools.partial(_forward_kernel, softmax_scale=softmax_scale, head_dim=head_dim),
-        grid=grid,
-        in_specs=[
-            pl.BlockSpec((None, block_q, heads_per_step * head_dim), lambda b, i, j: (b, i, 0)),
-            pl.BlockSpec((None, block_w, head_dim), lambda b, i, j: (b, j, 0)),
-            pl.BlockSpec((None, block_q, heads_per_step), lambda b, i, j: (b, i, 0)),
-        ],
-        out_specs=pl.BlockSpec((None, block_q, block_w), lambda b, i, j: (b, i, j)),
-        out_shape=jax.ShapeDtypeStruct((batch, seq_pad, blocks_pad), OUT_DTYPE),
-        scratch_shapes=scratch_shapes,
+        functools.partial(_forward_kernel, softmax_scale=softmax_scale, head_dim=ops.head_dim),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=grid,
+            in_specs=[inputs["q"], inputs["k"], inputs["weights"], inputs["kv_bounds"]],
+            out_specs=_block_specs(ops, here)["tile"],  # every tile is written, skipped or not
+            scratch_shapes=scratch_shapes,
+        ),
+        out_shape=jax.ShapeDtypeStruct((ops.batch, ops.seq_pad, ops.blocks_pad), OUT_DTYPE),
         compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
         interpret=interpret,
         name=f"{VARIANT['name']}_forward",
-    )(ops.q, ops.k, ops.weights)
-    return _crop_to(out, (batch, ops.seq_len, ops.num_blocks))
+    )(ops.w_lo, ops.w_hi, ops.q, ops.k, ops.weights, ops.kv_bounds)
+    return _crop_to(out, (ops.batch, ops.seq_len, ops.num_blocks))
 
 
 # lhs [m, n] . rhs [n, p]: an ordinary matmul.
@@ -235,47 +344,58 @@ def _dlogits(logits, g, weights_h):
 
 
 def _dq_dweights_kernel(
-    q_ref, k_ref, weights_ref, g_ref, dq_ref, dweights_ref, dq_acc, dweights_acc, *, softmax_scale, head_dim
-):
+    w_lo_ref, w_hi_ref, q_ref, k_ref, weights_ref, kv_bounds_ref, g_ref, dq_ref, dweights_ref, dq_acc, dweights_acc,
+    *, softmax_scale, head_dim,
+):  # fmt: skip
     """dq and dweights of one q block, reduced over w blocks (the innermost grid axis)."""
-    w_step = pl.program_id(2)
+    b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    last_j = pl.num_programs(2) - 1
 
-    @pl.when(w_step == 0)
+    @pl.when(j == 0)
     def _zero():
         dq_acc[...] = jnp.zeros_like(dq_acc)
         dweights_acc[...] = jnp.zeros_like(dweights_acc)
 
-    k = k_ref[...]
-    g = g_ref[...].astype(ACCUM_DTYPE)  # [block_q, block_w]
-    weights = weights_ref[...].astype(ACCUM_DTYPE)  # [block_q, heads]
-    for h in range(weights.shape[1]):
-        logits = _logits(_q_head(q_ref, h, head_dim), k)
-        dweights_acc[:, h : h + 1] += jnp.sum(g * jnp.maximum(logits, 0.0), axis=1, keepdims=True)
-        dq_h = _matmul_f32(_dlogits(logits, g, weights[:, h : h + 1]), k)  # [block_q, D]
-        dq_acc[:, h * head_dim : (h + 1) * head_dim] += dq_h
+    @pl.when(_tile_active(w_lo_ref, w_hi_ref, b, i, j))
+    def _accumulate():
+        k = k_ref[...]
+        # Masked entries get no gradient, whatever the cotangent holds there.
+        g = jnp.where(_visible(kv_bounds_ref, j, g_ref.shape[-1]), g_ref[...].astype(ACCUM_DTYPE), 0.0)
+        weights = weights_ref[...].astype(ACCUM_DTYPE)  # [block_q, heads]
+        for h in range(weights.shape[1]):
+            logits = _logits(_q_head(q_ref, h, head_dim), k)
+            dweights_acc[:, h : h + 1] += jnp.sum(g * jnp.maximum(logits, 0.0), axis=1, keepdims=True)
+            dq_h = _matmul_f32(_dlogits(logits, g, weights[:, h : h + 1]), k)  # [block_q, D]
+            dq_acc[:, h * head_dim : (h + 1) * head_dim] += dq_h
 
-    @pl.when(w_step == pl.num_programs(2) - 1)
+    @pl.when(j == last_j)
     def _store():
         dq_ref[...] = (softmax_scale * dq_acc[...]).astype(dq_ref.dtype)
         dweights_ref[...] = (softmax_scale * dweights_acc[...]).astype(dweights_ref.dtype)
 
 
-def _dk_kernel(q_ref, k_ref, weights_ref, g_ref, dk_ref, dk_acc, *, softmax_scale, head_dim):
+def _dk_kernel(
+    w_lo_ref, w_hi_ref, q_lo_ref, q_hi_ref, q_ref, k_ref, weights_ref, kv_bounds_ref, g_ref, dk_ref, dk_acc,
+    *, softmax_scale, head_dim,
+):  # fmt: skip
     """dk of one w block, reduced over q blocks (the innermost grid axes)."""
-    first = pl.program_id(2) == 0
-    last = pl.program_id(2) == pl.num_programs(2) - 1
+    del q_lo_ref, q_hi_ref  # used by the index maps only
+    b, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    first, last = i == 0, i == pl.num_programs(2) - 1
 
     @pl.when(first)
     def _zero():
         dk_acc[...] = jnp.zeros_like(dk_acc)
 
-    k = k_ref[...]
-    g = g_ref[...].astype(ACCUM_DTYPE)  # [block_q, block_w]
-    weights = weights_ref[...].astype(ACCUM_DTYPE)  # [block_q, heads]
-    for h in range(weights.shape[1]):
-        q_h = _q_head(q_ref, h, head_dim)
-        dlogits = _dlogits(_logits(q_h, k), g, weights[:, h : h + 1])
-        dk_acc[...] += _matmul_f32(dlogits.T, q_h)  # [block_w, D]
+    @pl.when(_tile_active(w_lo_ref, w_hi_ref, b, i, j))
+    def _accumulate():
+        k = k_ref[...]
+        g = jnp.where(_visible(kv_bounds_ref, j, g_ref.shape[-1]), g_ref[...].astype(ACCUM_DTYPE), 0.0)
+        weights = weights_ref[...].astype(ACCUM_DTYPE)  # [block_q, heads]
+        for h in range(weights.shape[1]):
+            q_h = _q_head(q_ref, h, head_dim)
+            dlogits = _dlogits(_logits(q_h, k), g, weights[:, h : h + 1])
+            dk_acc[...] += _matmul_f32(dlogits.T, q_h)  # [block_w, D]
 
     @pl.when(last)
     def _store():
@@ -284,10 +404,8 @@ def _dk_kernel(q_ref, k_ref, weights_ref, g_ref, dk_ref, dk_acc, *, softmax_scal
 
 def _unprepare_grads(ops, dq, dk, dweights):
     """Gradients of the kernel-ready operands back to the caller's layouts, padding sliced off."""
-    dq = _crop_to(
-        dq.reshape(ops.batch, ops.seq_pad, ops.num_heads, ops.head_dim),
-        (ops.batch, ops.seq_len, ops.num_heads, ops.head_dim),
-    )
+    dq = dq.reshape(ops.batch, ops.seq_pad, ops.num_heads, ops.head_dim)
+    dq = _crop_to(dq, (ops.batch, ops.seq_len, ops.num_heads, ops.head_dim))
     dweights = _crop_to(dweights, (ops.batch, ops.seq_len, ops.num_heads))
     return dq, _crop_to(dk, (ops.batch, ops.num_blocks, ops.head_dim)), dweights
 
@@ -296,95 +414,102 @@ def _backward(softmax_scale, interpret, residuals, g):
     """dq, dk, dweights from two pallas_calls that recompute logits tile by tile in VMEM.
 
     Residuals are the inputs: no [B, H, S, W] (nor [B, S, W]) tensor is saved or materialised.
+    Tiles no query may see are skipped, as in the forward.
     """
-    q, k, weights = residuals
-    ops = _prepare(q, k, weights)
-    batch, seq_pad, blocks_pad = ops.batch, ops.seq_pad, ops.blocks_pad
-    block_q, block_w, head_dim = ops.block_q, ops.block_w, ops.head_dim
-    heads_per_step = HEAD_CHUNK or ops.num_heads
-    num_q_blocks, num_w_blocks = seq_pad // block_q, blocks_pad // block_w
-    g = _pad_to(_pad_to(g, 1, seq_pad), 2, blocks_pad)  # zero cotangent on padding: it adds nothing
-    operands = (ops.q, ops.k, ops.weights, g)
+    q, k, weights, kv_start, kv_end = residuals
+    ops = _prepare(q, k, weights, kv_start, kv_end)
+    num_q_blocks, num_w_blocks = ops.seq_pad // ops.block_q, ops.blocks_pad // ops.block_w
+    g = _pad_to(_pad_to(g, 1, ops.seq_pad), 2, ops.blocks_pad)  # padding is masked: its cotangent is unused
+    inputs = (ops.q, ops.k, ops.weights, ops.kv_bounds, g)
+
+    def fetch_dq(b, i, j, w_lo, w_hi):
+        return b, 0, i, _clamp(j, w_lo[b, i], w_hi[b, i])  # a skipped tile re-uses the k and g in VMEM
 
     # Grid (batch, q block, w block): each q block owns its dq and dweights block, reduced over w.
-    grid = (batch, num_q_blocks, num_w_blocks)
+    grid = (ops.batch, num_q_blocks, num_w_blocks)
     semantics = ("parallel", "parallel", "arbitrary")
+    specs = _block_specs(ops, fetch_dq)
     dq, dweights = pl.pallas_call(
-        functools.partial(_dq_dweights_kernel, softmax_scale=softmax_scale, head_dim=head_dim),
-        grid=grid,
-        in_specs=[
-            pl.BlockSpec((None, block_q, heads_per_step * head_dim), lambda b, i, j: (b, i, 0)),
-            pl.BlockSpec((None, block_w, head_dim), lambda b, i, j: (b, j, 0)),
-            pl.BlockSpec((None, block_q, heads_per_step), lambda b, i, j: (b, i, 0)),
-            pl.BlockSpec((None, block_q, block_w), lambda b, i, j: (b, i, j)),
-        ],
-        out_specs=[
-            pl.BlockSpec((None, block_q, heads_per_step * head_dim), lambda b, i, j: (b, i, 0)),
-            pl.BlockSpec((None, block_q, heads_per_step), lambda b, i, j: (b, i, 0)),
-        ],
+        functools.partial(_dq_dweights_kernel, softmax_scale=softmax_scale, head_dim=ops.head_dim),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=grid,
+            in_specs=[specs["q"], specs["k"], specs["weights"], specs["kv_bounds"], specs["tile"]],
+            out_specs=[specs["q"], specs["weights"]],  # their blocks follow (q block, chunk) only
+            scratch_shapes=[
+                pltpu.VMEM((ops.block_q, (HEAD_CHUNK or ops.num_heads) * ops.head_dim), ACCUM_DTYPE),
+                pltpu.VMEM((ops.block_q, HEAD_CHUNK or ops.num_heads), ACCUM_DTYPE),
+            ],
+        ),
         out_shape=[
             jax.ShapeDtypeStruct(ops.q.shape, q.dtype),
             jax.ShapeDtypeStruct(ops.weights.shape, weights.dtype),
         ],
-        scratch_shapes=[
-            pltpu.VMEM((block_q, heads_per_step * head_dim), ACCUM_DTYPE),
-            pltpu.VMEM((block_q, heads_per_step), ACCUM_DTYPE),
-        ],
         compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
         interpret=interpret,
         name=f"{VARIANT['name']}_dq_dweights",
-    )(*operands)
+    )(ops.w_lo, ops.w_hi, *inputs)
+
+    def fetch_dk(b, j, i, w_lo, w_hi, q_lo, q_hi):
+        return b, 0, _clamp(i, q_lo[b, j], q_hi[b, j]), j  # outside the range, re-use the q in VMEM
 
     # Grid (batch, w block, q block): each w block owns its dk block, reduced over q blocks.
-    grid = (batch, num_w_blocks, num_q_blocks)
+    grid = (ops.batch, num_w_blocks, num_q_blocks)
     semantics = ("parallel", "parallel", "arbitrary")
+    specs = _block_specs(ops, fetch_dk)
     dk = pl.pallas_call(
-        functools.partial(_dk_kernel, softmax_scale=softmax_scale, head_dim=head_dim),
-        grid=grid,
-        in_specs=[
-            pl.BlockSpec((None, block_q, heads_per_step * head_dim), lambda b, j, i: (b, i, 0)),
-            pl.BlockSpec((None, block_w, head_dim), lambda b, j, i: (b, j, 0)),
-            pl.BlockSpec((None, block_q, heads_per_step), lambda b, j, i: (b, i, 0)),
-            pl.BlockSpec((None, block_q, block_w), lambda b, j, i: (b, i, j)),
-        ],
-        out_specs=pl.BlockSpec((None, block_w, head_dim), lambda b, j, i: (b, j, 0)),
+        functools.partial(_dk_kernel, softmax_scale=softmax_scale, head_dim=ops.head_dim),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=grid,
+            in_specs=[specs["q"], specs["k"], specs["weights"], specs["kv_bounds"], specs["tile"]],
+            out_specs=specs["k"],  # its block follows the w block only
+            scratch_shapes=[pltpu.VMEM((ops.block_w, ops.head_dim), ACCUM_DTYPE)],
+        ),
         out_shape=jax.ShapeDtypeStruct(ops.k.shape, k.dtype),
-        scratch_shapes=[pltpu.VMEM((block_w, head_dim), ACCUM_DTYPE)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
         interpret=interpret,
         name=f"{VARIANT['name']}_dk",
-    )(*operands)
-    return _unprepare_grads(ops, dq, dk, dweights)
+    )(ops.w_lo, ops.w_hi, ops.q_lo, ops.q_hi, *inputs)
+    dq, dk, dweights = _unprepare_grads(ops, dq, dk, dweights)
+    return dq, dk, dweights, None, None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _score(q, k, weights, softmax_scale, interpret):
-    return _forward(q, k, weights, softmax_scale, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _score(q, k, weights, kv_start, kv_end, softmax_scale, interpret):
+    return _forward(q, k, weights, kv_start, kv_end, softmax_scale, interpret)
 
 
-def _score_fwd(q, k, weights, softmax_scale, interpret):
+def _score_fwd(q, k, weights, kv_start, kv_end, softmax_scale, interpret):
     # Residuals are the inputs only: the backward recomputes logits rather than saving [B, H, S, W].
-    return _forward(q, k, weights, softmax_scale, interpret), (q, k, weights)
+    out = _forward(q, k, weights, kv_start, kv_end, softmax_scale, interpret)
+    return out, (q, k, weights, kv_start, kv_end)
 
 
 _score.defvjp(_score_fwd, _backward)
 
 
-def score(q, k, weights, *, softmax_scale=None, interpret=False):
+def score(q, k, weights, *, kv_start=None, kv_end=None, softmax_scale=None, interpret=False):
     """Returns the ``[B, S, W]`` float32 score of every query against every compressed block.
 
     Args:
       q: float32 [B, S, H, D] index queries.
       k: float32 [B, W, D] compressed keys.
       weights: float32 [B, S, H] per-head weights.
+      kv_start, kv_end: integer [B, S]; query (b, s) sees block w iff kv_start <= w < kv_end. Every
+        other entry is float("-inf") and gets no gradient. None: from block 0 / up to block W.
+        Tiles no query of theirs may see do no work, forward and backward.
       softmax_scale: positive scale; None means head_dim ** -0.5.
       interpret: False on hardware; True or ``pltpu.InterpretParams(...)`` to run on the CPU.
 
     Any S >= 1 and W >= 1 work; ragged sizes are padded to the tiling and sliced back.
     """
     _check_inputs(q, k, weights)
+    batch, _, seq_len, _ = _q_dims(q)
+    kv_start = _check_kv_bound("kv_start", kv_start, (batch, seq_len), 0)
+    kv_end = _check_kv_bound("kv_end", kv_end, (batch, seq_len), k.shape[1])
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
     softmax_scale = _check_scale(softmax_scale)
     with jax.named_scope(VARIANT["name"]):
-        return _score(q, k, weights, softmax_scale, interpret)
+        return _score(q, k, weights, kv_start, kv_end, softmax_scale, interpret)
