@@ -71,19 +71,3 @@ def score(
         out = jnp.where(mask, out, jnp.float32(masked_value))
     return out
 
-
-def causal_kv_range(
-    positions: jax.Array, compress_rate: int, segment_starts: jax.Array | None = None
-) -> tuple[jax.Array, jax.Array]:
-    """Causal CSA visibility: position p sees blocks ``[seg_start // r, (p + 1) // r)``.
-
-    A query never sees the block it is still inside: block w covers positions
-    ``[w * r, (w + 1) * r)`` and is complete only once position ``(w + 1) * r - 1`` is reached.
-    """
-    positions = positions.astype(jnp.int32)
-    kv_end = (positions + 1) // compress_rate
-    if segment_starts is None:
-        kv_start = jnp.zeros_like(kv_end)
-    else:
-        kv_start = -(-segment_starts.astype(jnp.int32) // compress_rate)
-    return kv_start, kv_end

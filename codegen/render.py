@@ -91,6 +91,14 @@ def render_family(
             )
         ),
     }
+    files[f"{spec.family}/helpers.py"] = format_source(
+        env.get_template("helpers.py.j2").render(
+            family=spec.family,
+            compress_rate=spec.computation.compress_rate,
+            spec_path=spec_path,
+            spec_sha256=spec_sha256,
+        )
+    )
     for variant in variants:
         files[f"{spec.family}/{variant.name}.py"] = render_variant(env, spec, variant, spec_path, spec_sha256)
     return files

@@ -3,8 +3,11 @@
 """The ``csa_v4`` kernel family: DeepSeek-V4 CSA StreamIndex (lightning indexer) score, forward and backward.
 
 ``VARIANTS`` maps every variant's name to its module. Each module exposes ``VARIANT`` (its resolved
-parameters) and ``score(q, k, weights, *, softmax_scale=None, interpret=False)``.
+parameters) and ``score(q, k, weights, *, kv_start=None, kv_end=None, softmax_scale=None,
+interpret=False)``; ``causal_kv_range`` gives the causal CSA visible range for ``kv_start, kv_end``.
 """
+
+from .helpers import COMPRESS_RATE, causal_kv_range
 
 from . import tpu_hm_bf16_q128_w1024_hc16
 from . import tpu_hm_bf16_q128_w1024_hcall

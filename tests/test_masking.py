@@ -1,0 +1,206 @@
+"""Visibility masking: exact placement of masked entries, no gradient through them, tile skipping,
+the causal off-by-one, and top-k agreement. Every generated variant, discovered from VARIANTS."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from generated.csa_v4 import COMPRESS_RATE, VARIANTS, causal_kv_range
+from tests import support
+
+NAMES = sorted(VARIANTS)
+MASKED_SHAPE = (4, 32, 45, 128, 1100)  # B = 4: one visibility pattern per batch element; > 1 tile of W
+TOP_K = 8
+
+
+def _top_k_agrees(name, scores, reference, seen):
+    """Rows with > TOP_K visible entries and a clear gap after the k-th: the same top-k set."""
+    values = np.asarray(jnp.asarray(scores, jnp.float32))
+    expected = np.asarray(reference)
+    order = np.argsort(-expected, axis=-1, kind="stable")
+    ranked = np.take_along_axis(expected, order, axis=-1)
+    with np.errstate(invalid="ignore"):  # -inf - -inf in rows with few visible entries
+        gap = ranked[..., TOP_K - 1] - ranked[..., TOP_K]
+    clear = (seen > TOP_K) & (gap > 1e-2 * np.abs(ranked[..., :1]).squeeze(-1))
+    assert clear.sum() > 10, f"{name}: too few rows without near-ties to test top-k"
+    got = np.sort(np.asarray(jax.lax.top_k(jnp.asarray(values), TOP_K)[1]), axis=-1)[clear]
+    want = np.sort(order[..., :TOP_K], axis=-1)[clear]
+    assert np.array_equal(got, want), f"{name}: top-{TOP_K} differs on {np.any(got != want, -1).sum()} rows"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_masked_forward_and_top_k(name):
+    module = VARIANTS[name]
+    variant = module.VARIANT
+    q, k, weights = support.make_inputs(variant, MASKED_SHAPE, seed=21)
+    kv_start, kv_end = support.mask_batch(MASKED_SHAPE[2], MASKED_SHAPE[4], seed=22)
+    out = module.score(q, k, weights, kv_start=kv_start, kv_end=kv_end, interpret=True)
+    reference = support.reference_score(variant, q, k, weights, kv_start=kv_start, kv_end=kv_end)
+    support.assert_close(name, out, reference)
+    seen = np.asarray(jnp.sum(jnp.isfinite(reference), axis=-1))
+    assert (seen == 0).any() and (seen > TOP_K).any()  # the batch holds empty rows and full ones
+    _top_k_agrees(name, out, reference, seen)
+
+
+def _skippable_tiles(kv_start, kv_end, block_q, block_w, num_w_blocks):
+    """Brute force of the skipping contract: w tile j of batch b may be skipped by every kernel when it
+    lies outside every q block's covering range [min kv_start, max kv_end) of non-empty rows."""
+    kv_start, kv_end = np.asarray(kv_start), np.asarray(kv_end)
+    batch, seq_len = kv_start.shape
+    skippable = np.ones((batch, num_w_blocks), bool)
+    for b in range(batch):
+        for start in range(0, seq_len, block_q):
+            rows = slice(start, start + block_q)
+            nonempty = np.clip(kv_end[b, rows], 0, None) > np.clip(kv_start[b, rows], 0, None)
+            if not nonempty.any():
+                continue
+            lo, hi = max(kv_start[b, rows][nonempty].min(), 0), kv_end[b, rows][nonempty].max()
+            for j in range(num_w_blocks):
+                if j * block_w < hi and lo < (j + 1) * block_w:
+                    skippable[b, j] = False
+    return skippable
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_masked_gradients_and_skipped_tiles(name):
+    """Gradients with masks against the reference VJP, with a cotangent that is non-zero on masked
+    entries too. With the fused backward, keys in tiles the kernels must skip are NaN: any matmul
+    on them would leak NaN into dq, so finite gradients show those tiles were skipped (and
+    contribute nothing). The reference backward has no tiles to skip: it gets finite keys."""
+    module = VARIANTS[name]
+    variant = module.VARIANT
+    batch, _, seq_len, _, num_blocks = MASKED_SHAPE
+    q, k, weights = support.make_inputs(variant, MASKED_SHAPE, seed=23)
+    kv_start, kv_end = support.mask_batch(seq_len, num_blocks, seed=24)
+    block_q, block_w = module._tiles(seq_len, num_blocks)
+    num_w_blocks = -(-num_blocks // block_w)
+    skippable = _skippable_tiles(kv_start, kv_end, block_q, block_w, num_w_blocks)
+    assert skippable.any(), "the masks should leave some tile to skip"
+    poisoned = np.repeat(skippable, block_w, axis=1)[:, :num_blocks]  # [B, W]
+    poisoned &= variant["backward"] == "fused"
+    k_poisoned = jnp.where(poisoned[..., None], jnp.nan, k).astype(k.dtype)
+
+    cotangent = jax.random.normal(jax.random.PRNGKey(25), (batch, seq_len, num_blocks)).astype(
+        variant["out_dtype"]
+    )
+    score = functools.partial(module.score, kv_start=kv_start, kv_end=kv_end, interpret=True)
+    out, vjp = jax.vjp(score, q, k_poisoned, weights)
+    grads = vjp(cotangent)
+    reference = functools.partial(support.reference_score, variant, kv_start=kv_start, kv_end=kv_end)
+    expected_out, ref_vjp = jax.vjp(reference, q, k, weights)  # the poisoned keys are never seen
+    ref_grads = ref_vjp(cotangent.astype(jnp.float32))
+
+    support.assert_close(f"{name} score", out, expected_out)
+    for arg, grad, ref_grad in zip(("q", "k", "weights"), grads, ref_grads):
+        support.assert_close(f"{name} d{arg}", grad, ref_grad)
+    assert not np.asarray(grads[1], np.float32)[poisoned].any()  # skipped keys get exactly zero
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_queries_that_see_nothing(name):
+    """Causal positions 0..2 with r = 4 see no complete block: all masked, zero gradients, no NaN."""
+    module = VARIANTS[name]
+    variant = module.VARIANT
+    q, k, weights = support.make_inputs(variant, (1, 16, 3, 64, 2), seed=26)
+    kv_start, kv_end = causal_kv_range(jnp.arange(3)[None], 4)
+    score = functools.partial(module.score, kv_start=kv_start, kv_end=kv_end, interpret=True)
+    out, vjp = jax.vjp(score, q, k, weights)
+    assert np.all(np.isneginf(np.asarray(out, np.float32)))
+    for grad in vjp(jnp.ones_like(out)):
+        assert grad.dtype in (q.dtype, k.dtype, weights.dtype)
+        assert not np.asarray(grad, np.float32).any()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_tile_ranges_match_brute_force(name):
+    """The scalar-prefetch ranges are exactly the tiles the contract allows: tight, never short."""
+    module = VARIANTS[name]
+    seq_len, num_blocks = 300, 2500
+    kv_start, kv_end = support.mask_batch(seq_len, num_blocks, seed=27)
+    block_q, block_w = module._tiles(seq_len, num_blocks)
+    seq_pad = -(-seq_len // block_q) * block_q
+    num_w_blocks = -(-num_blocks // block_w)
+    pad = lambda x: jnp.pad(jnp.clip(x, 0, num_blocks), ((0, 0), (0, seq_pad - seq_len)))
+    w_lo, w_hi, q_lo, q_hi = map(
+        np.asarray, module._tile_ranges(pad(kv_start), pad(kv_end), block_q, block_w, num_w_blocks)
+    )
+    skippable = _skippable_tiles(kv_start, kv_end, block_q, block_w, num_w_blocks)
+    blocks = np.arange(num_w_blocks)
+    active = (w_lo[..., None] <= blocks) & (blocks < w_hi[..., None])  # [B, q blocks, w blocks]
+    assert np.array_equal(~active.any(axis=1), skippable)
+    for b, j in zip(*np.nonzero(active.any(axis=1))):
+        rows = np.nonzero(active[b, :, j])[0]
+        assert (q_lo[b, j], q_hi[b, j]) == (rows.min(), rows.max() + 1)
+
+
+@pytest.mark.parametrize("rate", [4, 128])
+def test_causal_kv_range_boundary(rate):
+    """Position p sees block w iff the block is complete: (w + 1) * r - 1 <= p. Brute force."""
+    positions = jnp.asarray([0, rate - 2, rate - 1, rate, 2 * rate - 1, 5 * rate + 1])
+    kv_start, kv_end = causal_kv_range(positions, rate)
+    assert np.asarray(kv_end).tolist() == [0, 0, 1, 1, 2, 5]
+    for p, end in zip(np.asarray(positions), np.asarray(kv_end)):
+        assert end == sum((w + 1) * rate - 1 <= p for w in range(p + 1))
+    assert not np.asarray(kv_start).any()
+
+
+def test_causal_kv_range_packed_segments():
+    """A query sees only blocks that start inside its own segment (brute force over blocks)."""
+    rate = 4
+    positions = np.arange(40)
+    segment_starts = np.where(positions < 13, 0, np.where(positions < 30, 13, 30))
+    kv_start, kv_end = map(np.asarray, causal_kv_range(positions, rate, segment_starts))
+    for p, s0, lo, hi in zip(positions, segment_starts, kv_start, kv_end):
+        seen = [w for w in range(20) if w * rate >= s0 and (w + 1) * rate - 1 <= p]
+        assert list(range(lo, hi)) == seen, (p, s0)
+    assert COMPRESS_RATE == 4
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if VARIANTS[n].VARIANT["q_layout"] == "seq_major"][:1])
+def test_bad_kv_bounds_raise(name):
+    module = VARIANTS[name]
+    q, k, weights = support.make_inputs(module.VARIANT, (2, 16, 8, 64, 130), seed=0)
+    ok = jnp.zeros((2, 8), jnp.int32)
+    with pytest.raises(ValueError, match=r"^kv_start must be \[B=2, S=8\]"):
+        module.score(q, k, weights, kv_start=ok[:, :4], kv_end=ok, interpret=True)
+    with pytest.raises(ValueError, match=r"^kv_end must be an integer array"):
+        module.score(q, k, weights, kv_start=ok, kv_end=ok.astype(jnp.float32), interpret=True)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_kernels_use_scalar_prefetch(name):
+    """Every pallas_call of the forward and gradient skips tiles through scalar-prefetched ranges."""
+    module = VARIANTS[name]
+    q, k, weights = support.make_inputs(module.VARIANT, (1, 32, 40, 128, 300), seed=0)
+
+    def loss(q, k, weights):
+        return jnp.sum(module.score(q, k, weights).astype(jnp.float32))
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, weights)
+    calls = [e for e in _equations(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
+    expected = {"forward": 2, "dq_dweights": 2, "dk": 4}
+    if module.VARIANT["backward"] == "reference":
+        expected = {"forward": 2}
+    found = {
+        str(getattr(e.params["name"], "name", e.params["name"]))
+        .removeprefix(name + "_"): e.params["grid_mapping"]
+        .num_index_operands
+        for e in calls
+    }
+    assert found == expected
+
+
+def _equations(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", None)
+            if inner is not None and hasattr(inner, "eqns"):
+                yield from _equations(inner)
+            elif hasattr(param, "eqns"):
+                yield from _equations(param)
