@@ -12,13 +12,13 @@ import pathlib
 import black
 import jinja2
 
-from codegen.spec import FamilySpec
+from codegen.spec import FP8, FamilySpec
 from codegen.variants import Variant
 
 TEMPLATES = pathlib.Path(__file__).resolve().parent.parent / "templates"
 # Black's style is pinned by its major version in pyproject.toml; the line length is ours.
 BLACK_MODE = black.Mode(line_length=110, target_versions={black.TargetVersion.PY310})
-_BYTES = {"float32": 4, "bfloat16": 2}
+_BYTES = {"float32": 4, "bfloat16": 2, "float8_e4m3fn": 1}
 _SUBLANES_BY_BYTES = {4: 8, 2: 16, 1: 32}  # native TPU tiling: narrower dtypes pack more rows per vreg
 _BACKWARD = {
     "fused": (
@@ -65,9 +65,11 @@ def render_variant(
         spec_path=spec_path,
         spec_sha256=spec_sha256,
         sublanes=sublanes(variant),
-        precision="HIGHEST" if variant.policy.qk == "float32" else "DEFAULT",
+        precision=variant.policy.precision.upper(),
         default_scale=spec.computation.softmax_scale,
         masked_value=_float_literal(spec.computation.masked_value),
+        fp8=variant.policy.qk == FP8,
+        k_scale=variant.policy.k_scale,
         backward_template=backward_template,
         backward_summary=backward_summary,
     )

@@ -17,7 +17,10 @@ QLayout = Literal["head_major", "seq_major"]
 Backward = Literal["fused", "reference"]
 Activation = Literal["relu"]
 StorageDtype = Literal["float32", "bfloat16"]
-AccumDtype = Literal["float32"]
+QKDtype = Literal["float32", "bfloat16", "float8_e4m3fn"]
+AccumDtype = Literal["float32", "bfloat16"]
+MatmulPrecision = Literal["default", "highest"]
+FP8 = "float8_e4m3fn"
 
 _NAME = re.compile(r"^[a-z][a-z0-9]*$")
 Name = Annotated[str, Field(pattern=_NAME.pattern)]
@@ -62,12 +65,45 @@ class Tiling(StrictModel):
 
 
 class DtypePolicy(StrictModel):
-    """Storage dtypes of each operand, and the dtype the contraction accumulates in."""
+    """Storage dtypes of each operand, and how the contraction multiplies and accumulates.
 
-    qk: StorageDtype
+    float8_e4m3fn keys are stored per token with a float32 scale (``k_scale: true``), applied as
+    ``relu(q . k) * k_scale[w]`` (exact: the scale is positive); a query scale folds into weights.
+    """
+
+    qk: QKDtype
+    k_scale: bool = Field(default=False, description="per-token float32 key scale [B, W]; float8 keys only")
     weights: StorageDtype
     accum: AccumDtype = "float32"
+    matmul_precision: MatmulPrecision | None = Field(
+        default=None, description="None: highest for float32 inputs, default (one MXU pass) otherwise"
+    )
     out: StorageDtype
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "DtypePolicy":
+        if self.accum != "float32":
+            why = "float8_e4m3fn q/k need float32 accumulation" if self.qk == FP8 else "sums over heads and D"
+            raise ValueError(
+                f"accum = {self.accum!r} is not supported: {why}; the MXU accumulates in float32 (accum: float32)"
+            )
+        if self.qk == FP8 and not self.k_scale:
+            raise ValueError("qk float8_e4m3fn needs a per-token key scale: set k_scale: true")
+        if self.k_scale and self.qk != FP8:
+            raise ValueError(f"k_scale applies to float8_e4m3fn keys only, not qk {self.qk!r}")
+        return self
+
+    @property
+    def precision(self) -> str:
+        """The MXU precision the kernels ask for."""
+        if self.matmul_precision is not None:
+            return self.matmul_precision
+        return "highest" if self.qk == "float32" else "default"
+
+    @property
+    def grad_qk(self) -> str:
+        """dtype of dq and dk: float8 gradients would be meaningless, so they come back as bfloat16."""
+        return "bfloat16" if self.qk == FP8 else self.qk
 
 
 class VariantMatrix(StrictModel):

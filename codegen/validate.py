@@ -81,6 +81,14 @@ def check(spec: FamilySpec, variants: list[Variant], source: str = "<spec>") -> 
                     f"no templates for this backward yet; renderable: {list(RENDERABLE_BACKWARDS)}",
                 )
             )
+        if variant.backward == "reference" and variant.policy.k_scale:
+            problems.append(
+                Problem(
+                    f"{variant.origin}.backward",
+                    variant.backward,
+                    f"the reference backward does not take a key scale (dtype policy {variant.dtype!r}); use fused",
+                )
+            )
         problems += _tpu_problems(spec, variant)
     if problems:
         raise SpecError(source, problems)

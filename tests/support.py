@@ -44,8 +44,38 @@ def make_inputs(variant: dict, shape: tuple[int, int, int, int, int], seed: int)
     )
 
 
+def key_scale(variant: dict, k) -> dict:
+    """``{"k_scale": ...}`` for variants whose keys carry a per-token scale, else ``{}``.
+
+    Deterministic in k's shape (so the kernel and the reference see the same scales), positive,
+    and spread over two octaves so a scale applied to the wrong key shows.
+    """
+    if not variant["k_scale"]:
+        return {}
+    batch, num_blocks = k.shape[:2]
+    return {
+        "k_scale": jax.random.uniform(
+            jax.random.PRNGKey(num_blocks), (batch, num_blocks), jnp.float32, 0.5, 2.0
+        )
+    }
+
+
+def call(module, q, k, weights, **kwargs):
+    """``module.score`` with the key scale its variant needs."""
+    return module.score(q, k, weights, **key_scale(module.VARIANT, k), **kwargs)
+
+
 def reference_score(variant: dict, q, k, weights, **kwargs):
-    return reference.score(q, k, weights, q_layout=variant["q_layout"], **kwargs)
+    return reference.score(q, k, weights, q_layout=variant["q_layout"], **key_scale(variant, k), **kwargs)
+
+
+def reference_grads(variant: dict, q, k, weights, cotangent, **kwargs):
+    """The reference VJP in float32 math: taken at float32 copies of the inputs, so gradients are not
+    rounded to a float8 input's dtype (a float8 variant returns them as bfloat16)."""
+    upcast = [jnp.asarray(x, jnp.float32) for x in (q, k, weights)]
+    scale = key_scale(variant, k)
+    fn = lambda q, k, weights: reference.score(q, k, weights, q_layout=variant["q_layout"], **scale, **kwargs)
+    return jax.vjp(fn, *upcast)[1](jnp.asarray(cotangent, jnp.float32))
 
 
 def relative_error(actual, expected) -> float:

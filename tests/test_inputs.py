@@ -61,7 +61,7 @@ def test_bad_call_raises_value_error_naming_the_argument(name, case):
     kwargs = {key: override.pop(key) for key in list(override) if key == "softmax_scale"}
     args.update(override)
     with pytest.raises(ValueError, match=pattern):
-        module.score(args["q"], args["k"], args["weights"], interpret=True, **kwargs)
+        support.call(module, args["q"], args["k"], args["weights"], interpret=True, **kwargs)
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if VARIANTS[n].VARIANT["head_chunk"]])
@@ -69,4 +69,4 @@ def test_head_count_the_chunk_does_not_divide(name):
     module = VARIANTS[name]
     q, k, weights = support.make_inputs(module.VARIANT, (1, 24, 8, 64, 130), seed=0)
     with pytest.raises(ValueError, match=r"^q has 24 heads, which head_chunk 16 .* does not divide"):
-        module.score(q, k, weights, interpret=True)
+        support.call(module, q, k, weights, interpret=True)

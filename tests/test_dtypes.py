@@ -1,0 +1,125 @@
+"""Dtype policies: float8 keys with per-token scales, the quantisation helper, gradient dtypes."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from codegen import reference
+from generated.csa_v4 import VARIANTS, quantize_fp8_per_token
+from tests import support
+from tests.tolerances import RTOL, rtol
+
+FP8_NAMES = sorted(name for name, module in VARIANTS.items() if module.VARIANT["q_dtype"] == "float8_e4m3fn")
+
+
+def test_the_family_has_an_fp8_variant_at_the_production_tiling():
+    assert any(
+        VARIANTS[n].VARIANT["block_q"] == 128 and VARIANTS[n].VARIANT["block_w"] == 1024 for n in FP8_NAMES
+    )
+
+
+def test_every_output_and_gradient_dtype_has_a_tolerance():
+    for module in VARIANTS.values():
+        variant = module.VARIANT
+        for key in ("out_dtype", "q_grad_dtype", "weights_dtype"):
+            assert variant[key] in RTOL, f"{variant['name']}: no tolerance for {variant[key]}"
+
+
+def test_quantize_fp8_per_token():
+    x = jax.random.normal(jax.random.PRNGKey(0), (3, 50, 128), jnp.float32) * jnp.logspace(-3, 3, 50)[:, None]
+    x = x.at[1, 7].set(0.0)  # an all-zero token
+    x_fp8, scale = quantize_fp8_per_token(x)
+    assert x_fp8.dtype == jnp.float8_e4m3fn and scale.dtype == jnp.float32 and scale.shape == (3, 50)
+    assert float(scale[1, 7]) == 1.0 and not np.asarray(x_fp8[1, 7], np.float32).any()
+    values = np.asarray(x_fp8, np.float32)
+    assert np.allclose(
+        np.abs(values).max(-1)[np.asarray(scale) != 1.0], 448.0
+    )  # each token's max maps to 448
+    back = values * np.asarray(scale)[..., None]
+    normal = np.abs(values) >= 2.0**-6  # e4m3 normal range: 3 mantissa bits, half-ulp 2**-4 relative
+    assert np.all(np.abs(back - x)[normal] <= 2.0**-4 * np.abs(x)[normal] * (1 + 1e-6))
+    assert np.all(
+        np.abs(back - x)[~normal] <= 2.0**-10 * np.asarray(scale)[..., None].repeat(128, -1)[~normal]
+    )
+
+
+def _quantised_problem(variant, shape, seed):
+    """float32 q, k, weights and their float8 forms: k per token with k_scale, q per (token, head)
+    with its scale folded into the weights (exact for relu: the scale is positive)."""
+    batch, heads, seq_len, head_dim, num_blocks = shape
+    kq, kk, kw = jax.random.split(jax.random.PRNGKey(seed), 3)
+    q32 = jax.random.normal(kq, support.q_shape(variant, batch, heads, seq_len, head_dim), jnp.float32)
+    k32 = jax.random.normal(kk, (batch, num_blocks, head_dim), jnp.float32)
+    w32 = jax.random.normal(kw, (batch, seq_len, heads), jnp.float32)
+    q8, q_scale = quantize_fp8_per_token(q32)  # [B, H, S] or [B, S, H]
+    k8, k_scale = quantize_fp8_per_token(k32)
+    q_scale = q_scale if variant["q_layout"] == "seq_major" else jnp.swapaxes(q_scale, 1, 2)
+    weights = (w32 * q_scale).astype(variant["weights_dtype"])
+    return (q32, k32, w32), (q8, k8, weights, k_scale)
+
+
+@pytest.mark.parametrize("name", FP8_NAMES)
+def test_fp8_against_dequantised_and_unquantised_inputs(name):
+    module = VARIANTS[name]
+    variant = module.VARIANT
+    (q32, k32, w32), (q8, k8, weights, k_scale) = _quantised_problem(variant, (2, 32, 40, 128, 300), seed=31)
+    out = module.score(q8, k8, weights, k_scale=k_scale, interpret=True)
+    layout = variant["q_layout"]
+    dequantised = reference.score(q8, k8, weights, q_layout=layout, k_scale=k_scale)
+    support.assert_close(f"{name} vs dequantised", out, dequantised)  # rtol of the output dtype
+    exact = reference.score(q32, k32, w32, q_layout=layout)
+    quantisation_error = support.relative_error(dequantised, exact)
+    assert 1e-3 < quantisation_error < 0.1  # float8 costs a few percent, and it is measured here
+    assert support.relative_error(out, exact) <= quantisation_error + rtol(out.dtype)
+
+
+@pytest.mark.parametrize("name", FP8_NAMES)
+def test_fp8_gradients_including_the_key_scale(name):
+    """dq, dk in bfloat16 and dweights, dk_scale in float32, against the reference VJP in float32
+    math at the dequantised inputs, with a causal mask."""
+    module = VARIANTS[name]
+    variant = module.VARIANT
+    shape = (2, 32, 40, 128, 300)
+    _, (q8, k8, weights, k_scale) = _quantised_problem(variant, shape, seed=32)
+    kv_start, kv_end = support.mask_batch(shape[2], shape[4], seed=33)
+    kv_start, kv_end = kv_start[1:3], kv_end[1:3]  # causal and packed
+    cotangent = jax.random.normal(jax.random.PRNGKey(34), (2, shape[2], shape[4]), jnp.float32)
+    masks = dict(kv_start=kv_start, kv_end=kv_end)
+
+    score = lambda q, k, w, s: module.score(q, k, w, k_scale=s, interpret=True, **masks)
+    grads = jax.vjp(score, q8, k8, weights, k_scale)[1](cotangent.astype(variant["out_dtype"]))
+    ref = lambda q, k, w, s: reference.score(q, k, w, q_layout=variant["q_layout"], k_scale=s, **masks)
+    upcast = [x.astype(jnp.float32) for x in (q8, k8, weights, k_scale)]
+    ref_grads = jax.vjp(ref, *upcast)[1](cotangent)
+
+    expected_dtypes = ("bfloat16", "bfloat16", variant["weights_dtype"], "float32")
+    for arg, grad, ref_grad, dtype in zip(
+        ("q", "k", "weights", "k_scale"), grads, ref_grads, expected_dtypes
+    ):
+        assert grad.dtype == jnp.dtype(dtype), f"d{arg} is {grad.dtype}, expected {dtype}"
+        support.assert_close(f"{name} d{arg}", grad, ref_grad)
+
+
+@pytest.mark.parametrize("name", FP8_NAMES)
+def test_fp8_key_scale_is_required_and_checked(name):
+    module = VARIANTS[name]
+    _, (q8, k8, weights, k_scale) = _quantised_problem(module.VARIANT, (1, 16, 8, 128, 130), seed=0)
+    with pytest.raises(ValueError, match=r"^k_scale is required by variant"):
+        module.score(q8, k8, weights, interpret=True)
+    with pytest.raises(ValueError, match=r"^k_scale must be float32 \[B=1, W=130\]"):
+        module.score(q8, k8, weights, k_scale=k_scale[:, :5], interpret=True)
+    with pytest.raises(ValueError, match=r"^k_scale must be float32"):
+        module.score(q8, k8, weights, k_scale=k_scale.astype(jnp.bfloat16), interpret=True)
+
+
+def test_key_scale_is_rejected_where_keys_carry_none():
+    name = next(n for n in sorted(VARIANTS) if not VARIANTS[n].VARIANT["k_scale"])
+    module = VARIANTS[name]
+    q, k, weights = support.make_inputs(module.VARIANT, (1, 16, 8, 64, 130), seed=0)
+    with pytest.raises(ValueError, match=r"^k_scale applies to float8 variants only"):
+        module.score(q, k, weights, k_scale=jnp.ones((1, 130)), interpret=True)
