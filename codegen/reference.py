@@ -70,4 +70,3 @@ def score(
     if mask is not None:
         out = jnp.where(mask, out, jnp.float32(masked_value))
     return out
-
