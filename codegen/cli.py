@@ -9,11 +9,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
 import os
 import pathlib
 import sys
 
-from codegen import load, output, render, validate, variants
+from codegen import chips, explain, load, output, render, validate, variants
 from codegen.errors import SpecError
 from codegen.spec import FamilySpec
 
@@ -41,7 +42,8 @@ def load_family(spec_path: str, out_root: pathlib.Path) -> Family:
     """Loads, expands and validates; the stamped spec path is relative to the output's project root."""
     spec, sha256 = load.load(spec_path)
     found = variants.expand(spec, spec_path)
-    validate.check(spec, found, spec_path)
+    for warning in validate.check(spec, found, spec_path):
+        print(f"warning: {spec_path}: {warning}", file=sys.stderr)
     stamped = pathlib.Path(
         os.path.relpath(pathlib.Path(spec_path).resolve(), out_root.resolve().parent)
     ).as_posix()
@@ -123,6 +125,39 @@ def _diff(args: argparse.Namespace) -> int:
     return EXIT_DIFFERENT if text else EXIT_OK
 
 
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 5 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"expected five positive integers B,H,S,D,W, got {text!r}")
+    return shape
+
+
+def _explain(args: argparse.Namespace) -> int:
+    family = load_family(args.spec, default_out(args.spec))
+    try:
+        chip = chips.get(args.chip)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    chosen = [_find(family, args.variant)] if args.variant else family.variants
+    chosen = [v for v in chosen if v.backend == chip.backend]
+    if not chosen:
+        raise UsageError(f"no {chip.backend} variant to explain on {chip.name}")
+    for v in chosen:
+        if v.head_chunk and args.shape[1] % v.head_chunk:
+            raise UsageError(
+                f"H = {args.shape[1]} is not a multiple of head_chunk {v.head_chunk} of {v.name}"
+            )
+    rows = [row for v in chosen for row in explain.explain(family.spec, v, args.shape, chip, args.causal)]
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
+    else:
+        print(explain.table(rows, chip, args.shape, args.causal))
+    return EXIT_OK
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="codegen", description=__doc__.split("\n\n")[0])
     commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -161,6 +196,25 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("a", metavar="A", help="variant name (see `codegen list`)")
     p.add_argument("b", metavar="B", help="variant name")
     p.set_defaults(run=_diff)
+
+    p = commands.add_parser(
+        "explain",
+        help="per-kernel grid, VMEM, HBM bytes, FLOPs and roofline",
+        description=(
+            "For each kernel of VARIANT (or of every variant): grid, blocks, VMEM footprint against its limit, HBM "
+            "bytes moved (re-fetches counted as the Pallas pipeline does them) against the minimum, FLOPs, "
+            "arithmetic intensity and roofline time on CHIP."
+        ),
+    )
+    p.add_argument("spec", metavar="SPEC")
+    p.add_argument(
+        "variant", metavar="VARIANT", nargs="?", help="default: every variant for the chip's backend"
+    )
+    p.add_argument("--shape", type=_shape, required=True, metavar="B,H,S,D,W")
+    p.add_argument("--causal", action="store_true", help="discount the tiles causal CSA masking skips")
+    p.add_argument("--chip", default="v6e", help=f"one of {', '.join(chips.CHIPS)} (default v6e)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=_explain)
     return top
 
 

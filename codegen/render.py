@@ -12,6 +12,7 @@ import pathlib
 import black
 import jinja2
 
+from codegen import budget, cost
 from codegen.spec import FP8, FamilySpec
 from codegen.variants import Variant
 
@@ -69,6 +70,9 @@ def render_variant(
         default_scale=spec.computation.softmax_scale,
         masked_value=_float_literal(spec.computation.masked_value),
         fp8=variant.policy.qk == FP8,
+        vmem_limits=repr(budget.vmem_limits(spec, variant)),
+        targets=", ".join(spec.targets),
+        flop_model=repr(cost.flop_model(variant.as_dict())),
         k_scale=variant.policy.k_scale,
         backward_template=backward_template,
         backward_summary=backward_summary,

@@ -151,11 +151,19 @@ class Variants(StrictModel):
     exclude: list[VariantSelector] = Field(default_factory=list)
 
 
+Target = Literal["v5e", "v5p", "v6e", "7x", "h100", "h200"]
+
+
 class FamilySpec(StrictModel):
     """A kernel family: one computation, rendered in every variant the matrix asks for."""
 
     family: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]*$")]
     description: str = ""
+    targets: list[Target] = Field(
+        default_factory=lambda: ["v5e", "v5p", "v6e", "7x"],
+        min_length=1,
+        description="chips every variant must fit (VMEM) and is costed for; a backend checks its own kind",
+    )
     computation: Computation = Field(default_factory=Computation)
     model: Model = Field(default_factory=Model)
     tilings: dict[Name, Tiling] = Field(min_length=1)

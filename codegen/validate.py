@@ -6,6 +6,7 @@ dimensions must be multiples of (8, 128) or span the whole array dimension.
 
 from __future__ import annotations
 
+from codegen import budget
 from codegen.errors import Problem, SpecError
 from codegen.spec import FamilySpec
 from codegen.variants import Variant
@@ -60,9 +61,10 @@ def _tpu_problems(spec: FamilySpec, variant: Variant) -> list[Problem]:
     return problems
 
 
-def check(spec: FamilySpec, variants: list[Variant], source: str = "<spec>") -> None:
-    """Raises ``SpecError`` listing every rule any variant breaks."""
+def check(spec: FamilySpec, variants: list[Variant], source: str = "<spec>") -> list[Problem]:
+    """Raises ``SpecError`` listing every rule any variant breaks; returns the warnings."""
     problems: list[Problem] = []
+    warnings: list[Problem] = []
     for variant in variants:
         if variant.backend not in RENDERABLE_BACKENDS:
             problems.append(
@@ -89,6 +91,12 @@ def check(spec: FamilySpec, variants: list[Variant], source: str = "<spec>") -> 
                     f"the reference backward does not take a key scale (dtype policy {variant.dtype!r}); use fused",
                 )
             )
-        problems += _tpu_problems(spec, variant)
+        illegal = _tpu_problems(spec, variant)
+        problems += illegal
+        if not illegal:  # the budget needs legal blocks to measure
+            errors, cautions = budget.problems(spec, variant)
+            problems += errors
+            warnings += cautions
     if problems:
         raise SpecError(source, problems)
+    return list({str(w): w for w in warnings}.values())

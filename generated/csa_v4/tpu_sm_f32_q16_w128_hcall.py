@@ -12,6 +12,7 @@ Backward: two fused Pallas kernels (dq with dweights, and dk) that recompute log
 """
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -52,6 +53,8 @@ SUBLANES = 8
 LANES = 128
 # float32 inputs at HIGHEST precision: full-precision MXU passes, so the kernel matches float32 math.
 MATMUL_PRECISION = jax.lax.Precision.HIGHEST
+# Scoped VMEM to compile each kernel with (None: the chip's default); codegen sized it for v5e, v5p, v6e, 7x.
+VMEM_LIMIT_BYTES = {"forward": None, "dq_dweights": None, "dk": None}
 # q_h [rows, D] . k [cols, D]^T: contract the last dimension of both.
 _CONTRACT_LAST = (((1,), (1,)), ((), ()))
 
@@ -285,6 +288,33 @@ def _visible(kv_bounds_ref, j, block_w):
     return (bounds[:, 0:1] <= cols) & (cols < bounds[:, 1:2])
 
 
+# Per kernel: (MXU passes per logits-sized matmul, elementwise FLOPs per head x query x block entry), from
+# codegen.cost: the backward recomputes the logits and runs its gradient matmul.
+_FLOP_MODEL = {"forward": (1, 3), "dq_dweights": (2, 5), "dk": (2, 2)}
+# Which grid axes each operand's block index follows: b batch, c head chunk, i q block, j w block.
+_OPERAND_AXES = {"q": "bci", "k": "bj", "weights": "bci", "kv_bounds": "bi", "k_scale": "bj", "tile": "bij"}
+
+
+def _cost_estimate(ops, kernel, grid_axes, grid, specs, operands):
+    """pl.CostEstimate of one pallas_call, so XLA can schedule around it: FLOPs over every tile, and HBM
+    bytes as the pipeline moves them (a block is fetched, or written back, whenever its index changes
+    from one grid step to the next). Tiles skipped under a mask are not discounted.
+
+    ``operands``: (array or ShapeDtypeStruct, name in ``specs`` and ``_OPERAND_AXES``) pairs.
+    """
+    sizes = dict(zip(grid_axes, grid))
+    moved = 0
+    for array, name in operands:
+        moving = [grid_axes.index(a) for a in _OPERAND_AXES[name] if sizes.get(a, 1) > 1]
+        fetches = math.prod(grid[: max(moving) + 1]) if moving else 1
+        block = [d for d in specs[name].block_shape if isinstance(d, int)]
+        moved += fetches * math.prod(block) * jnp.dtype(array.dtype).itemsize
+    matmul_passes, elementwise_flops = _FLOP_MODEL[kernel]
+    entries = ops.batch * ops.num_heads * ops.seq_pad * ops.blocks_pad
+    flops = entries * (2 * ops.head_dim * matmul_passes + elementwise_flops)
+    return pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=moved)
+
+
 def _contract_heads(q_ref, k, weights, head_dim):
     """sum_h weights[:, h] * relu(q_h . k^T) over the heads in this block: [block_q, block_w] float32."""
     acc = None
@@ -330,6 +360,14 @@ def _forward(q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret)
     scratch_shapes = []
     here = lambda b, i, j, *_: (b, 0, i, j)
     inputs = _block_specs(ops, fetch)
+    out_shape = jax.ShapeDtypeStruct((ops.batch, ops.seq_pad, ops.blocks_pad), OUT_DTYPE)
+    operands = [
+        (ops.q, "q"),
+        (ops.k, "k"),
+        (ops.weights, "weights"),
+        (ops.kv_bounds, "kv_bounds"),
+        (out_shape, "tile"),
+    ]
     out = pl.pallas_call(
         functools.partial(_forward_kernel, softmax_scale=softmax_scale, head_dim=ops.head_dim),
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -339,8 +377,11 @@ def _forward(q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret)
             out_specs=_block_specs(ops, here)["tile"],  # every tile is written, skipped or not
             scratch_shapes=scratch_shapes,
         ),
-        out_shape=jax.ShapeDtypeStruct((ops.batch, ops.seq_pad, ops.blocks_pad), OUT_DTYPE),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=semantics, vmem_limit_bytes=VMEM_LIMIT_BYTES["forward"]
+        ),
+        cost_estimate=_cost_estimate(ops, "forward", "bij", grid, inputs, operands),
         interpret=interpret,
         name=f"{VARIANT['name']}_forward",
     )(ops.w_lo, ops.w_hi, ops.q, ops.k, ops.weights, ops.kv_bounds)
@@ -457,6 +498,18 @@ def _backward(softmax_scale, interpret, residuals, g):
     grid = (ops.batch, num_q_blocks, num_w_blocks)
     semantics = ("parallel", "parallel", "arbitrary")
     specs = _block_specs(ops, fetch_dq)
+    grads = [
+        jax.ShapeDtypeStruct(ops.q.shape, GRAD_QK_DTYPE),
+        jax.ShapeDtypeStruct(ops.weights.shape, weights.dtype),
+    ]
+    operands = [
+        (ops.q, "q"),
+        (ops.k, "k"),
+        (ops.weights, "weights"),
+        (ops.kv_bounds, "kv_bounds"),
+        (g, "tile"),
+    ]
+    operands += [(grads[0], "q"), (grads[1], "weights")]
     dq, dweights = pl.pallas_call(
         functools.partial(_dq_dweights_kernel, softmax_scale=softmax_scale, head_dim=ops.head_dim),
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -469,11 +522,11 @@ def _backward(softmax_scale, interpret, residuals, g):
                 pltpu.VMEM((ops.block_q, HEAD_CHUNK or ops.num_heads), ACCUM_DTYPE),
             ],
         ),
-        out_shape=[
-            jax.ShapeDtypeStruct(ops.q.shape, GRAD_QK_DTYPE),
-            jax.ShapeDtypeStruct(ops.weights.shape, weights.dtype),
-        ],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
+        out_shape=grads,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=semantics, vmem_limit_bytes=VMEM_LIMIT_BYTES["dq_dweights"]
+        ),
+        cost_estimate=_cost_estimate(ops, "dq_dweights", "bij", grid, specs, operands),
         interpret=interpret,
         name=f"{VARIANT['name']}_dq_dweights",
     )(ops.w_lo, ops.w_hi, *inputs)
@@ -485,6 +538,15 @@ def _backward(softmax_scale, interpret, residuals, g):
     grid = (ops.batch, num_w_blocks, num_q_blocks)
     semantics = ("parallel", "parallel", "arbitrary")
     specs = _block_specs(ops, fetch_dk)
+    grads = jax.ShapeDtypeStruct(ops.k.shape, GRAD_QK_DTYPE)
+    operands = [
+        (ops.q, "q"),
+        (ops.k, "k"),
+        (ops.weights, "weights"),
+        (ops.kv_bounds, "kv_bounds"),
+        (g, "tile"),
+        (grads, "k"),
+    ]
     dk = pl.pallas_call(
         functools.partial(_dk_kernel, softmax_scale=softmax_scale, head_dim=ops.head_dim),
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -494,8 +556,11 @@ def _backward(softmax_scale, interpret, residuals, g):
             out_specs=specs["k"],  # its block follows the w block only
             scratch_shapes=[pltpu.VMEM((ops.block_w, ops.head_dim), ACCUM_DTYPE)],
         ),
-        out_shape=jax.ShapeDtypeStruct(ops.k.shape, GRAD_QK_DTYPE),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
+        out_shape=grads,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=semantics, vmem_limit_bytes=VMEM_LIMIT_BYTES["dk"]
+        ),
+        cost_estimate=_cost_estimate(ops, "dk", "bji", grid, specs, operands),
         interpret=interpret,
         name=f"{VARIANT['name']}_dk",
     )(ops.w_lo, ops.w_hi, ops.q_lo, ops.q_hi, *inputs)

@@ -1,0 +1,335 @@
+"""The cost model against hand arithmetic, brute-force DMA counting and the generated modules' own tiling."""
+
+import importlib
+import itertools
+import pkgutil
+
+import pytest
+
+import generated.csa_v4
+from codegen import chips, cost
+
+MIB = 1024 * 1024
+
+SM_F32 = {  # as generated/csa_v4/tpu_sm_f32_q16_w128_hcall.py
+    "name": "tpu_sm_f32_q16_w128_hcall",
+    "backend": "tpu",
+    "q_layout": "seq_major",
+    "q_dtype": "float32",
+    "k_dtype": "float32",
+    "weights_dtype": "float32",
+    "accum_dtype": "float32",
+    "out_dtype": "float32",
+    "block_q": 16,
+    "block_w": 128,
+    "head_chunk": 0,
+    "backward": "fused",
+}
+HM_BF16 = {  # as generated/csa_v4/tpu_hm_bf16_q128_w1024_hc16.py
+    **SM_F32,
+    "name": "tpu_hm_bf16_q128_w1024_hc16",
+    "q_layout": "head_major",
+    "q_dtype": "bfloat16",
+    "k_dtype": "bfloat16",
+    "weights_dtype": "bfloat16",
+    "out_dtype": "bfloat16",
+    "block_q": 128,
+    "block_w": 1024,
+    "head_chunk": 16,
+}
+
+
+def _by_kernel(variant, shape):
+    return {c.kernel: c for c in cost.variant_costs(variant, shape)}
+
+
+def test_seq_major_f32_small():
+    # B=1, H=2, S=32, D=128, W=256. All f32: row granule 8, so bq = min(16, 32) = 16,
+    # bw = min(128, 256) = 128; nq = 2, nw = 2, head_chunk 0: hc = H = 2 and no chunk axis.
+    # Blocks (bytes): q [16, 2*128] 16384; k [128, 128] 65536; weights [16, 2] 128 (VMEM: [16, 128] 8192);
+    # kv_bounds [16, 2] int32 128 (VMEM 8192); out / g tile [16, 128] 8192.
+    costs = _by_kernel(SM_F32, (1, 2, 32, 128, 256))
+    fwd, dq, dk = costs["forward"], costs["dq_dweights"], costs["dk"]
+    # Forward grid (b, i, j) = (1, 2, 2). q, weights follow i: 2 fetches; k follows j (innermost): 4; kv 2;
+    # out (i, j): 4 writes. HBM 2*16384 + 4*65536 + 2*128 + 2*128 + 4*8192 = 328192.
+    assert fwd.grid == (1, 2, 2)
+    assert fwd.fetches == {"q": 2, "k": 4, "weights": 2, "kv_bounds": 2, "out": 4}
+    assert fwd.hbm_bytes == 328192
+    # Min: q 32*2*128*4 = 32768, k 256*128*4 = 131072, weights 32*2*4 = 256, kv 256, out 32*256*4 = 32768.
+    assert fwd.min_hbm_bytes == 197120
+    # VMEM: 2 * (16384 + 65536 + 8192 + 8192 + 8192) = 212992, no chunk accumulator, 2 f32 tiles 2*8192.
+    assert fwd.vmem_bytes == 229376
+    # FLOPs: 2*B*H*S*W*D = 2*2*32*256*128 = 4194304, plus 3*H*S*W = 49152 elementwise.
+    assert (fwd.flops, fwd.matmul_flops, fwd.useful_flops) == (4243456, 4194304, 4243456)
+
+    # dq_dweights grid (b, i, j) = (1, 2, 2): as forward, plus g 4 reads, dq 2 and dweights 2 writes.
+    # HBM 328192 - 8192*4 (no out) + 4*8192 (g) + 2*16384 (dq) + 2*128 (dweights) = 361216.
+    assert dq.grid == (1, 2, 2)
+    assert dq.fetches == {"q": 2, "k": 4, "weights": 2, "kv_bounds": 2, "g": 4, "dq": 2, "dweights": 2}
+    assert dq.hbm_bytes == 361216
+    assert dq.min_hbm_bytes == 197120 + 32768 + 256  # + dq + dweights
+    # VMEM: 2 * (106496 inputs + 16384 dq + 8192 dweights) = 262144; accumulators f32 [16, 256] 16384 and
+    # [16, 2] -> [16, 128] 8192; 3 f32 tiles 24576. Total 311296.
+    assert dq.vmem_bytes == 311296
+    # f32: one pass per matmul. 2 * 4194304 + 5*2*32*256 = 8388608 + 81920.
+    assert (dq.flops, dq.matmul_flops) == (8470528, 8388608)
+
+    # dk grid (b, j, i) = (1, 2, 2): q, weights, kv, g follow i (innermost): 4 each; k and dk follow j: 2.
+    # HBM 4*16384 + 2*65536 + 4*128 + 4*128 + 4*8192 + 2*65536 = 361472.
+    assert dk.grid == (1, 2, 2)
+    assert dk.fetches == {"q": 4, "k": 2, "weights": 4, "kv_bounds": 4, "g": 4, "dk": 2}
+    assert dk.hbm_bytes == 361472
+    # VMEM: 2 * (106496 + 65536 dk) = 344064; accumulator [128, 128] f32 65536; 3 tiles 24576; the
+    # transposed [128, 16] f32 pads to [128, 128]: 65536. Total 499712.
+    assert dk.vmem_bytes == 499712
+    assert (dk.flops, dk.matmul_flops) == (8388608 + 2 * 16384, 8388608)
+
+
+def test_head_major_bf16_chunked():
+    # B=1, H=32, S=256, D=128, W=2048. bf16 rows granule 16: bq = 128, bw = 1024; nq = 2, nw = 2,
+    # hc = 16, nc = 2. Blocks: q [16, 128, 128] bf16 524288; k [1024, 128] 262144; weights [128, 16] 4096
+    # (VMEM [128, 128] bf16 32768); kv [128, 2] int32 1024 (VMEM 65536); tile [128, 1024] bf16 262144.
+    costs = _by_kernel(HM_BF16, (1, 32, 256, 128, 2048))
+    fwd, dq, dk = costs["forward"], costs["dq_dweights"], costs["dk"]
+    assert fwd.blocks["q"] == (16, 128, 128) and fwd.blocks["weights"] == (128, 16)
+    # Forward grid (b, i, j, c) = (1, 2, 2, 2): q, weights follow c (innermost): 8; k, out follow j: 4; kv 2.
+    # HBM 8*524288 + 4*262144 + 8*4096 + 2*1024 + 4*262144 = 6326272.
+    assert fwd.grid == (1, 2, 2, 2)
+    assert fwd.hbm_bytes == 6326272
+    # Min: q 32*256*128*2 = 2097152, k 524288, weights 16384, kv 2048, out 256*2048*2 = 1048576.
+    assert fwd.min_hbm_bytes == 3688448
+    # VMEM: 2 * (524288 + 262144 + 32768 + 65536 + 262144) = 2293760; accumulator + 2 f32 tiles 3*524288.
+    assert fwd.vmem_bytes == 3866624
+    assert fwd.vmem_bytes_unpadded == 2 * (524288 + 262144 + 4096 + 1024 + 262144) + 3 * 524288
+    # 2*32*256*2048*128 = 2**32 matmul, 3*32*256*2048 = 3 * 2**24 elementwise.
+    assert (fwd.flops, fwd.matmul_flops) == (2**32 + 3 * 2**24, 2**32)
+
+    # dq_dweights grid (b, i, c, j) = (1, 2, 2, 2): q, weights, dq, dweights follow c: 4; k, g follow j
+    # (innermost): 8; kv 2. HBM 4*524288*2 + 8*262144*2 + 4*4096*2 + 2*1024 = 8423424.
+    assert dq.grid == (1, 2, 2, 2)
+    assert dq.hbm_bytes == 8423424
+    assert dq.min_hbm_bytes == 2097152 + 524288 + 16384 + 2048 + 1048576 + 2097152 + 16384
+    # VMEM: 2 * (1146880 inputs + 524288 dq + 32768 dweights) = 3407872; f32 dq accumulator 1048576,
+    # dweights accumulator [128, 16] -> [128, 128] 65536, 3 f32 tiles 1572864. Total 6094848.
+    assert dq.vmem_bytes == 6094848
+    # bf16: the dq matmul runs as a head and a tail pass: 3 * 2**32 MXU, 5 * 2**24 elementwise.
+    assert (dq.flops, dq.matmul_flops, dq.useful_flops) == (
+        3 * 2**32 + 5 * 2**24,
+        3 * 2**32,
+        2 * 2**32 + 5 * 2**24,
+    )
+
+    # dk grid (b, j, i, c) = (1, 2, 2, 2): q, weights follow c: 8; kv, g follow i: 4; k, dk follow j: 2.
+    # HBM 8*524288 + 2*262144 + 8*4096 + 4*1024 + 4*262144 + 2*262144 = 6328320.
+    assert dk.grid == (1, 2, 2, 2)
+    assert dk.hbm_bytes == 6328320
+    assert dk.min_hbm_bytes == 2097152 + 524288 + 16384 + 2048 + 1048576 + 524288
+    # VMEM: 2 * (1146880 + 262144 dk) = 2818048; f32 [1024, 128] accumulator 524288, 3 tiles and the
+    # transposed [1024, 128] f32: 4 * 524288. Total 5439488.
+    assert dk.vmem_bytes == 5439488
+    assert (dk.flops, dk.matmul_flops) == (3 * 2**32 + 2 * 2**24, 3 * 2**32)
+
+
+def test_padding_and_shrinking():
+    # kv_bounds [128, 2] int32 occupies 128 x 128 lanes; a bf16 [8, 16] block pads to 16 rows.
+    assert cost.padded_bytes((128, 2), 4) == 128 * 128 * 4
+    assert cost.padded_bytes((8, 16), 2) == 16 * 128 * 2
+    # S=40, W=300 on the q16/w128 f32 variant: bq 16, bw 128; S_pad 48, W_pad 384 are executed, not useful.
+    [fwd, *_] = cost.variant_costs(SM_F32, (1, 2, 40, 128, 300))
+    assert fwd.grid == (1, 3, 3)
+    assert fwd.matmul_flops == 2 * 2 * 48 * 384 * 128
+    assert fwd.useful_flops == 2 * 40 * 300 * (2 * 128 + 3)
+    assert fwd.min_hbm_bytes == 4 * (40 * 2 * 128 + 300 * 128 + 40 * 2 + 40 * 2 + 40 * 300)
+
+
+def _brute_force_fetches(grid, block_index):
+    """DMAs of a block in a row-major walk of ``grid`` that fetches whenever the block index changes."""
+    indices = [block_index(point) for point in itertools.product(*map(range, grid))]
+    return 1 + sum(a != b for a, b in zip(indices, indices[1:]))
+
+
+@pytest.mark.parametrize("grid", [(1, 3, 2, 4), (2, 1, 3, 1), (3, 2, 1, 2), (2, 2, 2, 2, 3), (1, 1, 1)])
+def test_block_fetches_matches_brute_force(grid):
+    for r in range(len(grid) + 1):
+        for axes in itertools.combinations(range(len(grid)), r):
+            expected = _brute_force_fetches(grid, lambda point: tuple(point[a] for a in axes))
+            assert cost.block_fetches(grid, axes) == expected, (grid, axes)
+
+
+# The templates' index maps, written out independently: grid point -> (b, c, i, j), then each operand's block.
+_GRID_TO_BCIJ = {
+    "forward": lambda b, i, j, c: (b, c, i, j),
+    "dq_dweights": lambda b, i, c, j: (b, c, i, j),
+    "dk": lambda b, j, i, c: (b, c, i, j),
+}
+_UNCHUNKED_GRID_TO_BCIJ = {  # head_chunk 0: no chunk axis, chunk 0
+    "forward": lambda b, i, j: (b, 0, i, j),
+    "dq_dweights": lambda b, i, j: (b, 0, i, j),
+    "dk": lambda b, j, i: (b, 0, i, j),
+}
+_BLOCK_INDEX = {
+    "q": lambda b, c, i, j: (b, c, i),
+    "k": lambda b, c, i, j: (b, j),
+    "weights": lambda b, c, i, j: (b, c, i),
+    "kv_bounds": lambda b, c, i, j: (b, i),
+    "out": lambda b, c, i, j: (b, i, j),
+    "g": lambda b, c, i, j: (b, i, j),
+    "dq": lambda b, c, i, j: (b, c, i),
+    "dweights": lambda b, c, i, j: (b, c, i),
+    "dk": lambda b, c, i, j: (b, j),
+    "k_scale": lambda b, c, i, j: (b, 0, j),
+    "dk_scale": lambda b, c, i, j: (b, 0, j),
+}
+
+
+def test_variant_fetches_match_brute_force_walk():
+    # B=2, H=32 (nc=2), S=384 (nq=3), W=2048 (nw=2): every axis moves.
+    with_scale = {**HM_BF16, "q_dtype": "float8_e4m3fn", "k_dtype": "float8_e4m3fn", "k_scale": True}
+    walks = [c for v in (HM_BF16, with_scale, SM_F32) for c in cost.variant_costs(v, (2, 32, 384, 128, 2048))]
+    for c in walks:
+        to_bcij = (_GRID_TO_BCIJ if len(c.grid) == 4 else _UNCHUNKED_GRID_TO_BCIJ)[c.kernel]
+        for name, count in c.fetches.items():
+            walk = lambda point: _BLOCK_INDEX[name](*to_bcij(*point))
+            assert count == _brute_force_fetches(c.grid, walk), (c.kernel, name)
+
+
+def _generated_modules():
+    for info in pkgutil.iter_modules(generated.csa_v4.__path__):
+        if info.name.startswith("tpu_"):
+            yield importlib.import_module(f"generated.csa_v4.{info.name}")
+
+
+def test_tiling_matches_generated_modules():
+    for module in _generated_modules():
+        for seq_len, num_blocks in [(1, 1), (20, 130), (200, 5000), (8192, 2048)]:
+            t = cost.tiling(module.VARIANT, (1, 64, seq_len, 128, num_blocks))
+            assert (t.block_q, t.block_w) == module._tiles(seq_len, num_blocks), module.VARIANT["name"]
+        kernels = [c.kernel for c in cost.variant_costs(module.VARIANT, (1, 64, 256, 128, 1024))]
+        fused = module.VARIANT["backward"] == "fused"
+        assert kernels == (["forward", "dq_dweights", "dk"] if fused else ["forward"])
+
+
+def test_vmem_footprints_are_full_tiles():
+    assert cost.vmem_footprints(HM_BF16, 32, 128) == {
+        "forward": 3866624,
+        "dq_dweights": 6094848,
+        "dk": 5439488,
+    }
+
+
+def test_chip_facts():
+    v6e, v5e, x7, h200 = (chips.get(n) for n in ("v6e", "v5e", "7x", "h200"))
+    assert v6e.vmem_bytes == 128 * MIB and v6e.scoped_vmem_default_bytes == 32 * MIB
+    assert v5e.scoped_vmem_default_bytes == 16 * MIB and v5e.fp8_flops == 0
+    assert v6e.bf16_flops == 920e12 and v6e.hbm_bytes_per_second == 1.64e12
+    assert chips.get("v5p").cores == chips.get("v5p").cores_per_device == 2
+    # 7x: two TensorCores, each its own device: a kernel gets half the chip.
+    assert x7.cores == 2 and x7.device_fraction == 0.5 and x7.sublane_tiling[2] == 16
+    assert h200.hbm_bytes_per_second == 4.8e12 and h200.vmem_bytes == 228 * 1024 and h200.cores == 132
+    assert set(chips.CHIPS) == {"v5e", "v5p", "v6e", "7x", "h100", "h200"}
+    with pytest.raises(ValueError, match="valid:.*v6e"):
+        chips.get("v4")
+
+
+def test_roofline():
+    v6e = chips.get("v6e")
+    [fwd, *_] = cost.variant_costs(HM_BF16, (1, 64, 8192, 128, 2048))
+    # 2**38 MXU + 3 * 2**30 elementwise FLOPs at 920e12/s, against 337707008 bytes at 1.64e12 B/s:
+    # compute bound.
+    assert fwd.roofline_seconds(v6e) == pytest.approx((2**38 + 3 * 2**30) / 920e12)
+    assert fwd.memory_seconds(v6e) == pytest.approx(337707008 / 1.64e12)
+    assert fwd.intensity() == pytest.approx((2**38 + 3 * 2**30) / 337707008)
+    # f32 inputs run at 1/6 of the bf16 rate.
+    [f32_fwd, *_] = cost.variant_costs(
+        {**HM_BF16, "q_dtype": "float32", "k_dtype": "float32"}, (1, 64, 8192, 128, 2048)
+    )
+    assert f32_fwd.compute_seconds(v6e) == pytest.approx(2**38 * 6 / 920e12 + 3 * 2**30 / 920e12)
+
+
+def test_float8_keys_with_scale():
+    # float8 q/k with a per-key float32 scale, bf16 gradients (the spec's float8 policy). B=1, H=32, S=256,
+    # D=128, W=2048: float8 rows come in 32s, bq = min(128, 256) = 128; bw 1024; grid as the bf16 case.
+    fp8 = {
+        **HM_BF16,
+        "q_dtype": "float8_e4m3fn",
+        "k_dtype": "float8_e4m3fn",
+        "k_scale": True,
+        "matmul_precision": "default",
+        "q_grad_dtype": "bfloat16",
+    }
+    costs = _by_kernel(fp8, (1, 32, 256, 128, 2048))
+    fwd, dq, dk = costs["forward"], costs["dq_dweights"], costs["dk"]
+    # Forward: q [16, 128, 128] 262144 x 8; k [1024, 128] 131072 x 4; weights 4096 x 8; kv 1024 x 2;
+    # k_scale [1, 1024] f32 4096 x 4 (follows j); out 262144 x 4.
+    assert fwd.blocks["k_scale"] == (1, 1024) and fwd.fetches["k_scale"] == 4
+    assert fwd.hbm_bytes == 8 * 262144 + 4 * 131072 + 8 * 4096 + 2 * 1024 + 4 * 4096 + 4 * 262144
+    # VMEM: 2 * (262144 + 131072 + 32768 + 65536 + k_scale [1 -> 8, 1024] f32 32768 + 262144) = 1572864;
+    # 3 f32 tiles 1572864; bf16 upcasts of a q head [128, 128] 32768 and of k [1024, 128] 262144.
+    assert fwd.vmem_bytes == 1572864 + 1572864 + 32768 + 262144
+    # Min bytes of dq_dweights: q 32*256*128*1 = 1048576, k 262144, weights 16384, kv 2048, k_scale 2048*4,
+    # g 1048576, dq in bf16 2097152, dweights 16384.
+    assert dq.fetches["dq"] == 4
+    assert dq.min_hbm_bytes == 1048576 + 262144 + 16384 + 2048 + 8192 + 1048576 + 2097152 + 16384
+    # dk: q 8 x 262144, k 2 x 131072, weights 8 x 4096, kv 4 x 1024, k_scale 2 x 4096, g 4 x 262144;
+    # writes dk [1024, 128] bf16 262144 and dk_scale [1, 1024] f32 4096, twice each.
+    assert dk.fetches["dk"] == 2 and dk.fetches["dk_scale"] == 2
+    assert dk.hbm_bytes == (
+        8 * 262144 + 2 * 131072 + 8 * 4096 + 4 * 1024 + 2 * 4096 + 4 * 262144 + 2 * 262144 + 2 * 4096
+    )
+    # The MXU runs bf16 (float8 is upcast in VMEM), so the gradient matmul splits: 3 passes of 2**32;
+    # dk also recomputes the weighted relu sum for dk_scale: (2 + 3) * 2**24 elementwise.
+    assert fwd.mxu_itemsize == 2 and dq.matmul_flops == 3 * 2**32
+    assert dk.flops == 3 * 2**32 + 5 * 2**24
+
+
+def test_float32_default_precision_is_one_bf16_pass():
+    f32_default = {**SM_F32, "matmul_precision": "default"}
+    [fwd, dq, _] = cost.variant_costs(f32_default, (1, 2, 32, 128, 256))
+    assert fwd.mxu_itemsize == 2 and cost.variant_costs(SM_F32, (1, 2, 32, 128, 256))[0].mxu_itemsize == 4
+    # float32 q/k: the gradient matmul is one dot, whatever the precision.
+    assert dq.matmul_flops == 2 * 4194304
+
+
+@pytest.mark.parametrize(
+    "name", ["tpu_hm_bf16_q128_w1024_hc16", "tpu_sm_f32_q16_w128_hcall", "tpu_sm_fp8_q128_w1024_hc16"]
+)
+def test_generated_cost_estimates_are_the_model(name):
+    """Every pallas_call carries a pl.CostEstimate equal to codegen.cost's FLOPs and HBM bytes."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from generated.csa_v4 import VARIANTS
+    from tests import support
+
+    module = VARIANTS[name]
+    shape = (2, 32, 300, 128, 2100)
+    q, k, weights = support.make_inputs(module.VARIANT, shape, seed=0)
+
+    def loss(q, k, weights):
+        return jnp.sum(support.call(module, q, k, weights).astype(jnp.float32))
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, weights)
+    estimates = {}
+    for eqn in _all_equations(jaxpr.jaxpr):
+        if eqn.primitive.name == "pallas_call":
+            kernel = str(getattr(eqn.params["name"], "name", eqn.params["name"])).removeprefix(name + "_")
+            estimates[kernel] = eqn.params["cost_estimate"]
+    assert set(estimates) == {"forward", "dq_dweights", "dk"}
+    for kernel, estimate in estimates.items():
+        model = cost.kernel_cost(module.VARIANT, shape, kernel)
+        assert (estimate.flops, estimate.bytes_accessed, estimate.transcendentals) == (
+            model.flops,
+            model.hbm_bytes,
+            0,
+        ), kernel
+
+
+def _all_equations(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                yield from _all_equations(inner)

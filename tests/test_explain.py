@@ -1,0 +1,130 @@
+"""The VMEM budget at spec time, vmem_limit_bytes in generated code, and `codegen explain`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from codegen import cli, cost, load, validate, variants
+from codegen.errors import SpecError
+from generated.csa_v4 import VARIANTS
+from tests.spec_cases import SPEC_PATH, edited
+
+PRODUCTION = "tpu_hm_bf16_q128_w1024_hc16"
+SHAPE = "1,64,8192,128,2048"
+
+
+def _check(text: str):
+    spec = load.parse(text, "spec.yaml")
+    return validate.check(spec, variants.expand(spec, "spec.yaml"), "spec.yaml")
+
+
+def test_an_over_budget_variant_is_rejected_with_the_numbers():
+    def edit(data):
+        data["tilings"]["huge"] = {"block_q": 1024, "block_w": 8192}
+        data["variants"]["include"].append(
+            dict(
+                backend="tpu",
+                q_layout="head_major",
+                dtype="f32",
+                tiling="huge",
+                head_chunk=0,
+                backward="fused",
+            )
+        )
+
+    with pytest.raises(SpecError) as info:
+        _check(edited(edit))
+    message = str(info.value)
+    assert "tilings.huge = 'block_q=1024, block_w=8192'" in message
+    assert "variant tpu_hm_f32_q1024_w8192_hcall: its forward kernel needs" in message
+    assert "MiB of VMEM" in message and "v5p 64 MiB" in message and "7x 64 MiB" in message
+
+
+def test_targets_decide_the_budget():
+    """The same tiling fits when the spec only targets chips with room for it."""
+
+    def edit(data, targets):
+        data["targets"] = targets
+        data["tilings"]["big"] = {"block_q": 512, "block_w": 8192}
+        data["variants"]["include"].append(
+            dict(
+                backend="tpu",
+                q_layout="head_major",
+                dtype="bf16",
+                tiling="big",
+                head_chunk=16,
+                backward="fused",
+            )
+        )
+
+    footprint = cost.vmem_footprints(
+        dict(VARIANTS[PRODUCTION].VARIANT, block_q=512, block_w=8192), num_heads=64, head_dim=128
+    )
+    assert 64 * 2**20 < max(footprint.values()) * 1.25 < 128 * 2**20
+    with pytest.raises(SpecError, match="more than v5p 64 MiB, 7x 64 MiB"):
+        _check(edited(lambda d: edit(d, ["v5e", "v5p", "v6e", "7x"])))
+    assert _check(edited(lambda d: edit(d, ["v5e", "v6e"]))) == []
+
+
+def test_a_legal_but_non_native_block_warns(capsys, tmp_path):
+    spec = tmp_path / "specs" / "x.yaml"
+    spec.parent.mkdir()
+    spec.write_text(edited(lambda d: d["tilings"]["small"].update(block_q=8)))
+    assert cli.main(["render", str(spec)]) == 0
+    err = capsys.readouterr().err
+    assert "warning:" in err and "tilings.small.block_q = 8" in err and "not a multiple of 16" in err
+
+
+def test_kernels_over_the_default_scope_ask_for_more_vmem():
+    """f32 with all 64 heads per step needs more than v5e's 16 MiB default in the dq kernel."""
+    limits = VARIANTS["tpu_hm_f32_q128_w1024_hcall"].VMEM_LIMIT_BYTES
+    need = cost.vmem_footprints(VARIANTS["tpu_hm_f32_q128_w1024_hcall"].VARIANT, 64, 128)["dq_dweights"]
+    assert need > 16 * 2**20 and limits["dq_dweights"] >= need and limits["dq_dweights"] % 2**20 == 0
+    assert limits["forward"] is None
+    assert all(v is None for v in VARIANTS[PRODUCTION].VMEM_LIMIT_BYTES.values())
+
+
+def test_explain_the_production_variant(capsys):
+    assert cli.main(["explain", str(SPEC_PATH), PRODUCTION, "--shape", SHAPE, "--chip", "v6e"]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split()[1]: line for line in out.splitlines() if line.startswith(PRODUCTION)}
+    assert set(lines) == {"forward", "dq_dweights", "dk"}
+    # forward: grid (B, q blocks, w blocks, chunks) = 1 x 64 x 2 x 4; 2 * 64 * 8192 * 2048 * 128 = 2**38
+    # matmul FLOPs plus 3 elementwise per entry (3 * 2**30) = 278.1 GFLOP.
+    assert "1x64x2x4" in lines["forward"] and "278.1" in lines["forward"]
+    assert "k [1024, 128]" in out and "q [16, 128, 128]" in out
+
+
+def test_explain_json_and_causal(capsys):
+    args = ["explain", str(SPEC_PATH), PRODUCTION, "--shape", SHAPE, "--json"]
+    assert cli.main(args) == 0
+    full = {row["kernel"]: row for row in json.loads(capsys.readouterr().out)}
+    assert cli.main(args + ["--causal"]) == 0
+    causal = {row["kernel"]: row for row in json.loads(capsys.readouterr().out)}
+    # Causal at S = 8192, W = 2048 with 128 x 1024 tiles: 96 of 128 tiles have work.
+    assert causal["forward"]["flops"] == full["forward"]["flops"] * 96 // 128
+    assert causal["dk"]["hbm_bytes"] < full["dk"]["hbm_bytes"]
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--shape", "1,64,8192"], "expected five positive integers"),
+        (["--shape", SHAPE, "--chip", "v9"], "unknown chip"),
+    ],
+)
+def test_explain_bad_arguments(args, fragment, capsys):
+    with pytest.raises(SystemExit) if "--chip" not in args else _no_raise():
+        code = cli.main(["explain", str(SPEC_PATH), PRODUCTION, *args])
+        assert code == 2
+    assert fragment in capsys.readouterr().err
+
+
+class _no_raise:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
