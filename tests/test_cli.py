@@ -132,7 +132,7 @@ def test_diff_of_an_unknown_variant_suggests_names(capsys):
     assert "no variant named 'tpu_hm_f32_q128_w1024_hc8'" in err and "did you mean" in err
 
 
-@pytest.mark.parametrize("command", [[], ["render"], ["list"], ["diff"]])
+@pytest.mark.parametrize("command", [[], ["render"], ["list"], ["diff"], ["explain"]])
 def test_help_on_every_command(command):
     result = subprocess.run(
         [sys.executable, "-m", "codegen.cli", *command, "--help"], capture_output=True, text=True, cwd=ROOT
