@@ -25,11 +25,17 @@ def _targets(spec: FamilySpec, variant: Variant) -> list[chips.Chip]:
     return [chips.get(name) for name in spec.targets if chips.get(name).backend == variant.backend]
 
 
-def vmem_limits(spec: FamilySpec, variant: Variant) -> dict[str, int | None]:
+def _footprints(spec: FamilySpec, variant: Variant) -> dict[str, int]:
+    return cost.vmem_footprints(variant.as_dict(), spec.model.num_heads, spec.model.head_dim)
+
+
+def vmem_limits(
+    spec: FamilySpec, variant: Variant, footprints: dict[str, int] | None = None
+) -> dict[str, int | None]:
     """Per kernel: the ``vmem_limit_bytes`` to compile with, None where the default scope suffices."""
     targets = _targets(spec, variant)
     default = min((chip.scoped_vmem_default_bytes for chip in targets), default=0)
-    footprints = cost.vmem_footprints(variant.as_dict(), spec.model.num_heads, spec.model.head_dim)
+    footprints = footprints or _footprints(spec, variant)
     return {
         kernel: None if need <= default else -(-int(need * HEADROOM) // MIB) * MIB
         for kernel, need in footprints.items()
@@ -40,8 +46,8 @@ def problems(spec: FamilySpec, variant: Variant) -> tuple[list[Problem], list[Pr
     """(errors, warnings) of the variant's VMEM budget and row tiling on the spec's targets."""
     errors, warnings = [], []
     targets = _targets(spec, variant)
-    footprints = cost.vmem_footprints(variant.as_dict(), spec.model.num_heads, spec.model.head_dim)
-    for kernel, limit in vmem_limits(spec, variant).items():
+    footprints = _footprints(spec, variant)
+    for kernel, limit in vmem_limits(spec, variant, footprints).items():
         need = limit or footprints[kernel]
         short = [chip for chip in targets if chip.vmem_bytes < need]
         if short:
@@ -55,7 +61,9 @@ def problems(spec: FamilySpec, variant: Variant) -> tuple[list[Problem], list[Pr
                     f"more than {have}; use smaller blocks or a head_chunk",
                 )
             )
-    for dtype in {variant.policy.qk, variant.policy.weights, variant.policy.out}:
+    for dtype in dict.fromkeys(
+        (variant.policy.qk, variant.policy.weights, variant.policy.out)
+    ):  # stable order
         rows = NATIVE_ROWS_V6.get(cost.itemsize(dtype))
         late = [chip.name for chip in targets if chip.name in ("v6e", "7x")]
         if rows and late and variant.block_q % rows:

@@ -255,6 +255,13 @@ def _block_specs(ops, fetch):
     )
 
 
+def _kernel_inputs(ops, cotangent=None):
+    """(array, block name) of each kernel input, in argument order: one list for every pallas_call,
+    its in_specs and its cost estimate; the backward kernels add the cotangent tile."""
+    inputs = [(ops.q, "q"), (ops.k, "k"), (ops.weights, "weights"), (ops.kv_bounds, "kv_bounds")]
+    return inputs if cotangent is None else inputs + [(cotangent, "tile")]
+
+
 def _clamp(x, lo, hi):
     """x clamped into the half-open [lo, hi) (to lo when it is empty): where a skipped step points
     its index map so that it names a block already in VMEM and no DMA is issued."""
@@ -374,21 +381,14 @@ def _forward(q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret)
     semantics = ("parallel", "parallel", "parallel", "arbitrary")
     scratch_shapes = [pltpu.VMEM((ops.block_q, ops.block_w), ACCUM_DTYPE)]
     here = lambda b, i, j, c, *_: (b, c, i, j)
-    inputs = _block_specs(ops, fetch)
+    specs, inputs = _block_specs(ops, fetch), _kernel_inputs(ops)
     out_shape = jax.ShapeDtypeStruct((ops.batch, ops.seq_pad, ops.blocks_pad), OUT_DTYPE)
-    operands = [
-        (ops.q, "q"),
-        (ops.k, "k"),
-        (ops.weights, "weights"),
-        (ops.kv_bounds, "kv_bounds"),
-        (out_shape, "tile"),
-    ]
     out = pl.pallas_call(
         functools.partial(_forward_kernel, softmax_scale=softmax_scale, head_dim=ops.head_dim),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=grid,
-            in_specs=[inputs["q"], inputs["k"], inputs["weights"], inputs["kv_bounds"]],
+            in_specs=[specs[name] for _, name in inputs],
             out_specs=_block_specs(ops, here)["tile"],  # every tile is written, skipped or not
             scratch_shapes=scratch_shapes,
         ),
@@ -396,10 +396,10 @@ def _forward(q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret)
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=semantics, vmem_limit_bytes=VMEM_LIMIT_BYTES["forward"]
         ),
-        cost_estimate=_cost_estimate(ops, "forward", "bijc", grid, inputs, operands),
+        cost_estimate=_cost_estimate(ops, "forward", "bijc", grid, specs, inputs + [(out_shape, "tile")]),
         interpret=interpret,
         name=f"{VARIANT['name']}_forward",
-    )(ops.w_lo, ops.w_hi, ops.q, ops.k, ops.weights, ops.kv_bounds)
+    )(ops.w_lo, ops.w_hi, *(array for array, _ in inputs))
     return _crop_to(out, (ops.batch, ops.seq_len, ops.num_blocks))
 
 
@@ -482,7 +482,8 @@ def _dk_kernel(
         weights = weights_ref[...].astype(ACCUM_DTYPE)  # [block_q, heads]
         for h in range(weights.shape[1]):
             q_h = _q_head(q_ref, h, head_dim)
-            dlogits = _dlogits(_logits(q_h, k), g, weights[:, h : h + 1])
+            logits = _logits(q_h, k)
+            dlogits = _dlogits(logits, g, weights[:, h : h + 1])
             dk_acc[...] += _matmul_f32(dlogits.T, q_h)  # [block_w, D]
 
     @pl.when(last)
@@ -508,7 +509,8 @@ def _backward(softmax_scale, interpret, residuals, g):
     ops = _prepare(q, k, weights, kv_start, kv_end, k_scale)
     num_q_blocks, num_w_blocks = ops.seq_pad // ops.block_q, ops.blocks_pad // ops.block_w
     g = _pad_to(_pad_to(g, 1, ops.seq_pad), 2, ops.blocks_pad)  # padding is masked: its cotangent is unused
-    inputs = (ops.q, ops.k, ops.weights, ops.kv_bounds, g)
+    inputs = _kernel_inputs(ops, g)
+    arrays = [array for array, _ in inputs]
     num_chunks = ops.num_chunks
 
     def fetch_dq(b, i, c, j, w_lo, w_hi):
@@ -519,38 +521,31 @@ def _backward(softmax_scale, interpret, residuals, g):
     grid = (ops.batch, num_q_blocks, num_chunks, num_w_blocks)
     semantics = ("parallel", "parallel", "parallel", "arbitrary")
     specs = _block_specs(ops, fetch_dq)
-    grads = [
-        jax.ShapeDtypeStruct(ops.q.shape, GRAD_QK_DTYPE),
-        jax.ShapeDtypeStruct(ops.weights.shape, weights.dtype),
+    # dq and dweights blocks follow (q block, chunk) only, like q's and weights'.
+    outputs = [
+        (jax.ShapeDtypeStruct(ops.q.shape, GRAD_QK_DTYPE), "q"),
+        (jax.ShapeDtypeStruct(ops.weights.shape, weights.dtype), "weights"),
     ]
-    operands = [
-        (ops.q, "q"),
-        (ops.k, "k"),
-        (ops.weights, "weights"),
-        (ops.kv_bounds, "kv_bounds"),
-        (g, "tile"),
-    ]
-    operands += [(grads[0], "q"), (grads[1], "weights")]
     dq, dweights = pl.pallas_call(
         functools.partial(_dq_dweights_kernel, softmax_scale=softmax_scale, head_dim=ops.head_dim),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=grid,
-            in_specs=[specs["q"], specs["k"], specs["weights"], specs["kv_bounds"], specs["tile"]],
-            out_specs=[specs["q"], specs["weights"]],  # their blocks follow (q block, chunk) only
+            in_specs=[specs[name] for _, name in inputs],
+            out_specs=[specs[name] for _, name in outputs],
             scratch_shapes=[
                 pltpu.VMEM((HEAD_CHUNK or ops.num_heads, ops.block_q, ops.head_dim), ACCUM_DTYPE),
                 pltpu.VMEM((ops.block_q, HEAD_CHUNK or ops.num_heads), ACCUM_DTYPE),
             ],
         ),
-        out_shape=grads,
+        out_shape=[shape for shape, _ in outputs],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=semantics, vmem_limit_bytes=VMEM_LIMIT_BYTES["dq_dweights"]
         ),
-        cost_estimate=_cost_estimate(ops, "dq_dweights", "bicj", grid, specs, operands),
+        cost_estimate=_cost_estimate(ops, "dq_dweights", "bicj", grid, specs, inputs + outputs),
         interpret=interpret,
         name=f"{VARIANT['name']}_dq_dweights",
-    )(ops.w_lo, ops.w_hi, *inputs)
+    )(ops.w_lo, ops.w_hi, *arrays)
 
     def fetch_dk(b, j, i, c, w_lo, w_hi, q_lo, q_hi):
         lo, hi = q_lo[b, j], q_hi[b, j]
@@ -564,32 +559,27 @@ def _backward(softmax_scale, interpret, residuals, g):
     grid = (ops.batch, num_w_blocks, num_q_blocks, num_chunks)
     semantics = ("parallel", "parallel", "arbitrary", "arbitrary")
     specs = _block_specs(ops, fetch_dk)
-    grads = jax.ShapeDtypeStruct(ops.k.shape, GRAD_QK_DTYPE)
-    operands = [
-        (ops.q, "q"),
-        (ops.k, "k"),
-        (ops.weights, "weights"),
-        (ops.kv_bounds, "kv_bounds"),
-        (g, "tile"),
-        (grads, "k"),
-    ]
-    dk = pl.pallas_call(
+    # dk blocks follow the w block only, like k's.
+    outputs = [(jax.ShapeDtypeStruct(ops.k.shape, GRAD_QK_DTYPE), "k")]
+    (dk,) = pl.pallas_call(
         functools.partial(_dk_kernel, softmax_scale=softmax_scale, head_dim=ops.head_dim),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=grid,
-            in_specs=[specs["q"], specs["k"], specs["weights"], specs["kv_bounds"], specs["tile"]],
-            out_specs=specs["k"],  # its block follows the w block only
-            scratch_shapes=[pltpu.VMEM((ops.block_w, ops.head_dim), ACCUM_DTYPE)],
+            in_specs=[specs[name] for _, name in inputs],
+            out_specs=[specs[name] for _, name in outputs],
+            scratch_shapes=[
+                pltpu.VMEM((ops.block_w, ops.head_dim), ACCUM_DTYPE),
+            ],
         ),
-        out_shape=grads,
+        out_shape=[shape for shape, _ in outputs],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=semantics, vmem_limit_bytes=VMEM_LIMIT_BYTES["dk"]
         ),
-        cost_estimate=_cost_estimate(ops, "dk", "bjic", grid, specs, operands),
+        cost_estimate=_cost_estimate(ops, "dk", "bjic", grid, specs, inputs + outputs),
         interpret=interpret,
         name=f"{VARIANT['name']}_dk",
-    )(ops.w_lo, ops.w_hi, ops.q_lo, ops.q_hi, *inputs)
+    )(ops.w_lo, ops.w_hi, ops.q_lo, ops.q_hi, *arrays)
     dq, dk, dweights = _unprepare_grads(ops, dq, dk, dweights)
     return dq, dk, dweights, None, None, None
 

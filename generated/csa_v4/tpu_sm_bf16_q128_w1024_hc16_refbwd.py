@@ -255,6 +255,13 @@ def _block_specs(ops, fetch):
     )
 
 
+def _kernel_inputs(ops, cotangent=None):
+    """(array, block name) of each kernel input, in argument order: one list for every pallas_call,
+    its in_specs and its cost estimate; the backward kernels add the cotangent tile."""
+    inputs = [(ops.q, "q"), (ops.k, "k"), (ops.weights, "weights"), (ops.kv_bounds, "kv_bounds")]
+    return inputs if cotangent is None else inputs + [(cotangent, "tile")]
+
+
 def _clamp(x, lo, hi):
     """x clamped into the half-open [lo, hi) (to lo when it is empty): where a skipped step points
     its index map so that it names a block already in VMEM and no DMA is issued."""
@@ -374,21 +381,14 @@ def _forward(q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret)
     semantics = ("parallel", "parallel", "parallel", "arbitrary")
     scratch_shapes = [pltpu.VMEM((ops.block_q, ops.block_w), ACCUM_DTYPE)]
     here = lambda b, i, j, c, *_: (b, c, i, j)
-    inputs = _block_specs(ops, fetch)
+    specs, inputs = _block_specs(ops, fetch), _kernel_inputs(ops)
     out_shape = jax.ShapeDtypeStruct((ops.batch, ops.seq_pad, ops.blocks_pad), OUT_DTYPE)
-    operands = [
-        (ops.q, "q"),
-        (ops.k, "k"),
-        (ops.weights, "weights"),
-        (ops.kv_bounds, "kv_bounds"),
-        (out_shape, "tile"),
-    ]
     out = pl.pallas_call(
         functools.partial(_forward_kernel, softmax_scale=softmax_scale, head_dim=ops.head_dim),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=grid,
-            in_specs=[inputs["q"], inputs["k"], inputs["weights"], inputs["kv_bounds"]],
+            in_specs=[specs[name] for _, name in inputs],
             out_specs=_block_specs(ops, here)["tile"],  # every tile is written, skipped or not
             scratch_shapes=scratch_shapes,
         ),
@@ -396,10 +396,10 @@ def _forward(q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret)
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=semantics, vmem_limit_bytes=VMEM_LIMIT_BYTES["forward"]
         ),
-        cost_estimate=_cost_estimate(ops, "forward", "bijc", grid, inputs, operands),
+        cost_estimate=_cost_estimate(ops, "forward", "bijc", grid, specs, inputs + [(out_shape, "tile")]),
         interpret=interpret,
         name=f"{VARIANT['name']}_forward",
-    )(ops.w_lo, ops.w_hi, ops.q, ops.k, ops.weights, ops.kv_bounds)
+    )(ops.w_lo, ops.w_hi, *(array for array, _ in inputs))
     return _crop_to(out, (ops.batch, ops.seq_len, ops.num_blocks))
 
 
