@@ -13,7 +13,7 @@ import argparse
 import jax.numpy as jnp
 import numpy as np
 
-from generated.csa_v4 import COMPRESS_RATE, VARIANTS, causal_kv_range
+from generated.csa_v4 import COMPRESS_RATE, VARIANTS, causal_kv_range, tile_ranges
 
 DEFAULT_VARIANTS = ("tpu_hm_bf16_q128_w1024_hc16", "tpu_hm_bf16_q16_w128_hc16")  # production, small tiling
 
@@ -21,11 +21,11 @@ DEFAULT_VARIANTS = ("tpu_hm_bf16_q128_w1024_hc16", "tpu_hm_bf16_q16_w128_hc16") 
 def skipped_fraction(module, seq_len: int, num_blocks: int) -> tuple[int, int]:
     """(tiles with work, all tiles) for one causal sequence of ``seq_len`` queries."""
     kv_start, kv_end = causal_kv_range(jnp.arange(seq_len)[None], COMPRESS_RATE)
-    block_q, block_w = module._tiles(seq_len, num_blocks)
+    block_q, block_w = module.tiles(seq_len, num_blocks)
     seq_pad = -(-seq_len // block_q) * block_q
     num_w_blocks = -(-num_blocks // block_w)
     kv_start, kv_end = (jnp.pad(x, ((0, 0), (0, seq_pad - seq_len))) for x in (kv_start, kv_end))
-    w_lo, w_hi, _, _ = module._tile_ranges(kv_start, kv_end, block_q, block_w, num_w_blocks)
+    w_lo, w_hi, _, _ = tile_ranges(kv_start, kv_end, block_q, block_w, num_w_blocks)
     active = int(np.sum(np.asarray(w_hi) - np.asarray(w_lo)))
     return active, (seq_pad // block_q) * num_w_blocks
 

@@ -10,13 +10,11 @@ import argparse
 import dataclasses
 import difflib
 import json
-import os
 import pathlib
 import sys
 
-from codegen import chips, explain, load, output, render, validate, variants
+from codegen import chips, explain, output, pipeline, plan, render
 from codegen.errors import SpecError
-from codegen.spec import FamilySpec
 
 EXIT_OK, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
 
@@ -25,35 +23,23 @@ class UsageError(Exception):
     """A command-line mistake the user can fix; printed without a traceback."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Family:
-    spec: FamilySpec
-    variants: list[variants.Variant]
-    spec_path: str  # as stamped into generated files
-    sha256: str
-
-
 def default_out(spec_path: str) -> pathlib.Path:
     """``generated/`` beside the spec's folder: ``specs/x.yaml`` renders into ``generated/``."""
     return pathlib.Path(spec_path).resolve().parent.parent / "generated"
 
 
-def load_family(spec_path: str, out_root: pathlib.Path) -> Family:
-    """Loads, expands and validates; the stamped spec path is relative to the output's project root."""
-    spec, sha256 = load.load(spec_path)
-    found = variants.expand(spec, spec_path)
-    for warning in validate.check(spec, found, spec_path):
+def load_family(spec_path: str, out_root: pathlib.Path) -> pipeline.Family:
+    """The spec's family, its warnings printed once."""
+    family = pipeline.load_family(spec_path, out_root)
+    for warning in family.warnings:
         print(f"warning: {spec_path}: {warning}", file=sys.stderr)
-    stamped = pathlib.Path(
-        os.path.relpath(pathlib.Path(spec_path).resolve(), out_root.resolve().parent)
-    ).as_posix()
-    return Family(spec, found, stamped, sha256)
+    return family
 
 
 def _render(args: argparse.Namespace) -> int:
     out_root = pathlib.Path(args.out) if args.out else default_out(args.spec)
     family = load_family(args.spec, out_root)
-    files = render.render_family(family.spec, family.variants, family.spec_path, family.sha256)
+    files = render.render_family(family)
     plan = output.plan(out_root, family.spec.family, files)
     if args.check:
         if plan.clean:
@@ -95,8 +81,8 @@ def _list(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _find(family: Family, name: str) -> variants.Variant:
-    by_name = {v.name: v for v in family.variants}
+def _find(family: pipeline.Family, name: str) -> plan.VariantPlan:
+    by_name = {p.name: p for p in family.plans}
     if name not in by_name:
         close = difflib.get_close_matches(name, by_name, n=3)
         hint = (
@@ -109,10 +95,7 @@ def _find(family: Family, name: str) -> variants.Variant:
 def _diff(args: argparse.Namespace) -> int:
     family = load_family(args.spec, default_out(args.spec))
     env = render.environment()
-    sources = [
-        render.render_variant(env, family.spec, _find(family, name), family.spec_path, family.sha256)
-        for name in (args.a, args.b)
-    ]
+    sources = [render.render_variant(env, family, _find(family, name)) for name in (args.a, args.b)]
     text = "".join(
         difflib.unified_diff(
             sources[0].splitlines(keepends=True),
@@ -141,20 +124,19 @@ def _explain(args: argparse.Namespace) -> int:
         chip = chips.get(args.chip)
     except ValueError as err:
         raise UsageError(str(err)) from None
-    chosen = [_find(family, args.variant)] if args.variant else family.variants
-    chosen = [v for v in chosen if v.backend == chip.backend]
+    chosen = [_find(family, args.variant)] if args.variant else family.plans
+    chosen = [p for p in chosen if p.variant.backend == chip.backend]
     if not chosen:
         raise UsageError(f"no {chip.backend} variant to explain on {chip.name}")
-    for v in chosen:
-        if v.head_chunk and args.shape[1] % v.head_chunk:
-            raise UsageError(
-                f"H = {args.shape[1]} is not a multiple of head_chunk {v.head_chunk} of {v.name}"
-            )
-    rows = [row for v in chosen for row in explain.explain(family.spec, v, args.shape, chip, args.causal)]
+    for p in chosen:
+        if p.head_chunk and args.shape[1] % p.head_chunk:
+            raise UsageError(f"H = {args.shape[1]} is not a multiple of head_chunk {p.head_chunk} of {p.name}")
+    rate = family.spec.computation.compress_rate
+    rows = [row for p in chosen for row in explain.explain(p, args.shape, chip, rate, args.causal)]
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
     else:
-        print(explain.table(rows, chip, args.shape, args.causal))
+        print(explain.table(rows, chip, args.shape, args.causal, blocks=not args.no_blocks))
     return EXIT_OK
 
 
@@ -214,6 +196,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--causal", action="store_true", help="discount the tiles causal CSA masking skips")
     p.add_argument("--chip", default="v6e", help=f"one of {', '.join(chips.CHIPS)} (default v6e)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--no-blocks", action="store_true", help="leave out the per-kernel block shapes")
     p.set_defaults(run=_explain)
     return top
 

@@ -1,26 +1,24 @@
-"""Variants -> formatted Python source: Jinja2 templates, then black. Pure: writes nothing.
+"""A family's plans -> formatted Python source: Jinja2 templates, then black. Pure: writes nothing.
 
 Output is a function of the spec bytes and the templates alone (no dates, no absolute paths), so
-rendering twice gives byte-identical files.
+rendering twice gives byte-identical files. The templates ship inside the package
+(``codegen.templates``, mapped from the repository's ``templates/``), so an installed codegen renders
+from any directory.
 """
 
 from __future__ import annotations
 
 import math
-import pathlib
 
 import black
 import jinja2
 
-from codegen import budget, cost
-from codegen.spec import FP8, FamilySpec
-from codegen.variants import Variant
+from codegen.pipeline import Family
+from codegen.plan import VariantPlan
 
-TEMPLATES = pathlib.Path(__file__).resolve().parent.parent / "templates"
 # Black's style is pinned by its major version in pyproject.toml; the line length is ours.
 BLACK_MODE = black.Mode(line_length=110, target_versions={black.TargetVersion.PY310})
-_BYTES = {"float32": 4, "bfloat16": 2, "float8_e4m3fn": 1}
-_SUBLANES_BY_BYTES = {4: 8, 2: 16, 1: 32}  # native TPU tiling: narrower dtypes pack more rows per vreg
+RUNTIME = "_runtime"  # the family module every variant imports what they share from
 _BACKWARD = {
     "fused": (
         "tpu/backward.py.j2",
@@ -32,19 +30,13 @@ _BACKWARD = {
 
 def environment() -> jinja2.Environment:
     return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(TEMPLATES),
+        loader=jinja2.PackageLoader("codegen.templates", "."),
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,
         keep_trailing_newline=True,
         autoescape=False,
     )
-
-
-def sublanes(variant: Variant) -> int:
-    """Row granule of the q-row blocks (q, weights, output): the narrowest dtype's native tiling."""
-    policy = variant.policy
-    return _SUBLANES_BY_BYTES[min(_BYTES[policy.qk], _BYTES[policy.weights], _BYTES[policy.out])]
 
 
 def _float_literal(value: float) -> str:
@@ -56,55 +48,52 @@ def format_source(source: str) -> str:
     return black.format_str(source, mode=BLACK_MODE)
 
 
-def render_variant(
-    env: jinja2.Environment, spec: FamilySpec, variant: Variant, spec_path: str, spec_sha256: str
-) -> str:
+def _stamp(family: Family) -> dict:
+    return dict(spec_path=family.spec_path, spec_sha256=family.sha256, family=family.spec.family)
+
+
+def render_variant(env: jinja2.Environment, family: Family, plan: VariantPlan) -> str:
+    variant = plan.variant
     backward_template, backward_summary = _BACKWARD[variant.backward]
     source = env.get_template("module.py.j2").render(
+        **_stamp(family),
         v=variant,
+        p=plan,
         variant_dict=repr(variant.as_dict()),
-        spec_path=spec_path,
-        spec_sha256=spec_sha256,
-        sublanes=sublanes(variant),
         precision=variant.policy.precision.upper(),
-        default_scale=spec.computation.softmax_scale,
-        masked_value=_float_literal(spec.computation.masked_value),
-        fp8=variant.policy.qk == FP8,
-        vmem_limits=repr(budget.vmem_limits(spec, variant)),
-        targets=", ".join(spec.targets),
-        flop_model=repr(cost.flop_model(variant.as_dict())),
+        default_scale=family.spec.computation.softmax_scale,
+        masked_text=repr(family.spec.computation.masked_value),
+        fp8=variant.policy.qk == "float8_e4m3fn",
         k_scale=variant.policy.k_scale,
+        vmem_limits=repr({k.name: k.vmem_limit_bytes for k in plan.kernels}),
+        targets=", ".join(family.spec.targets),
         backward_template=backward_template,
         backward_summary=backward_summary,
     )
     return format_source(source)
 
 
-def render_family(
-    spec: FamilySpec, variants: list[Variant], spec_path: str, spec_sha256: str
-) -> dict[str, str]:
+def render_family(family: Family) -> dict[str, str]:
     """Every file of the family, keyed by its path relative to the output root (``generated/``)."""
     env = environment()
+    spec = family.spec
     files = {
         "__init__.py": format_source(env.get_template("generated_root.py.j2").render()),
         f"{spec.family}/__init__.py": format_source(
             env.get_template("package_init.py.j2").render(
-                family=spec.family,
+                **_stamp(family),
                 description=spec.description.strip() or "CSA StreamIndex score kernels.",
-                variants=variants,
-                spec_path=spec_path,
-                spec_sha256=spec_sha256,
+                variants=family.variants,
+            )
+        ),
+        f"{spec.family}/{RUNTIME}.py": format_source(
+            env.get_template("runtime.py.j2").render(
+                **_stamp(family),
+                compress_rate=spec.computation.compress_rate,
+                masked_value=_float_literal(spec.computation.masked_value),
             )
         ),
     }
-    files[f"{spec.family}/helpers.py"] = format_source(
-        env.get_template("helpers.py.j2").render(
-            family=spec.family,
-            compress_rate=spec.computation.compress_rate,
-            spec_path=spec_path,
-            spec_sha256=spec_sha256,
-        )
-    )
-    for variant in variants:
-        files[f"{spec.family}/{variant.name}.py"] = render_variant(env, spec, variant, spec_path, spec_sha256)
+    for plan in family.plans:
+        files[f"{spec.family}/{plan.name}.py"] = render_variant(env, family, plan)
     return files

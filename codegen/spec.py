@@ -101,7 +101,7 @@ class DtypePolicy(StrictModel):
         return "highest" if self.qk == "float32" else "default"
 
     @property
-    def grad_qk(self) -> str:
+    def qk_grad_dtype(self) -> str:
         """dtype of dq and dk: float8 gradients would be meaningless, so they come back as bfloat16."""
         return "bfloat16" if self.qk == FP8 else self.qk
 

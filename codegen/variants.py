@@ -59,7 +59,7 @@ class Variant:
             "out_dtype": self.policy.out,
             "k_scale": self.policy.k_scale,
             "matmul_precision": self.policy.precision,
-            "q_grad_dtype": self.policy.grad_qk,
+            "qk_grad_dtype": self.policy.qk_grad_dtype,
             "block_q": self.block_q,
             "block_w": self.block_w,
             "head_chunk": self.head_chunk,

@@ -1,4 +1,4 @@
-"""Suite-wide settings, applied before JAX starts its CPU backend."""
+"""Suite-wide settings, applied before JAX starts its CPU backend, and the per-variant fixture."""
 
 import os
 
@@ -7,3 +7,13 @@ import os
 os.environ["XLA_FLAGS"] = " ".join(
     flag for flag in (os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0") if flag
 )
+
+import pytest  # noqa: E402
+
+from generated.csa_v4 import VARIANTS  # noqa: E402
+
+
+@pytest.fixture(params=sorted(VARIANTS))
+def module(request):
+    """Each generated variant module in turn: a test taking it runs once per variant (id: its name)."""
+    return VARIANTS[request.param]

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import copy
+import functools
 import pathlib
 
 import yaml
+
+from codegen import pipeline
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SPEC_PATH = ROOT / "specs" / "csa_v4.yaml"
@@ -20,3 +23,9 @@ def edited(edit) -> str:
     data = copy.deepcopy(shipped())
     edit(data)
     return yaml.safe_dump(data, sort_keys=False)
+
+
+@functools.cache
+def family() -> pipeline.Family:
+    """The shipped spec through the generator's pipeline: its variants' plans, VMEM limits set."""
+    return pipeline.load_family(SPEC_PATH)

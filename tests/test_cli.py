@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -111,6 +112,15 @@ def test_diff_of_two_variants_is_a_reviewable_unified_diff(capsys):
     assert "-HEAD_CHUNK = 16" in out and "+HEAD_CHUNK = None" in out
     assert cli.main(["diff", str(SPEC_PATH), a, a]) == 0
     assert capsys.readouterr().out == ""
+
+
+def test_diff_of_two_tilings_is_constants_only(capsys):
+    """A tiling is constants: the two tilings of one variant differ in its name and block sizes only."""
+    a, b = "tpu_hm_bf16_q128_w1024_hc16", "tpu_hm_bf16_q16_w128_hc16"
+    assert cli.main(["diff", str(SPEC_PATH), a, b]) == 1
+    changed = [line for line in capsys.readouterr().out.splitlines()[2:] if line[:1] in "+-"]
+    constants = re.compile(r'^[+-](BLOCK_[QW] = \d+|    "(name|block_q|block_w)": [^\n]+,|"""[^\n]*variant ``\w+``\.)$')
+    assert changed and all(constants.match(line) for line in changed), changed
 
 
 def test_diff_between_fused_and_reference_backward_touches_only_the_backward(capsys):

@@ -1,42 +1,29 @@
-"""The cost model against hand arithmetic, brute-force DMA counting and the generated modules' own tiling."""
+"""The cost model read off the kernel plan, against hand arithmetic; and the plan against what the
+generated kernels really do: their index maps walked grid point by grid point, their cost estimates."""
 
-import importlib
+import dataclasses
 import itertools
-import pkgutil
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax._src.state.discharge import discharge_state
 
-import generated.csa_v4
-from codegen import chips, cost
+from codegen import chips, cost, plan
+from codegen.spec import DtypePolicy
+from generated.csa_v4 import VARIANTS
+from tests import support
+from tests.spec_cases import family
 
 MIB = 1024 * 1024
+SM_F32 = family().plan("tpu_sm_f32_q16_w128_hcall")
+HM_BF16 = family().plan("tpu_hm_bf16_q128_w1024_hc16")
 
-SM_F32 = {  # as generated/csa_v4/tpu_sm_f32_q16_w128_hcall.py
-    "name": "tpu_sm_f32_q16_w128_hcall",
-    "backend": "tpu",
-    "q_layout": "seq_major",
-    "q_dtype": "float32",
-    "k_dtype": "float32",
-    "weights_dtype": "float32",
-    "accum_dtype": "float32",
-    "out_dtype": "float32",
-    "block_q": 16,
-    "block_w": 128,
-    "head_chunk": 0,
-    "backward": "fused",
-}
-HM_BF16 = {  # as generated/csa_v4/tpu_hm_bf16_q128_w1024_hc16.py
-    **SM_F32,
-    "name": "tpu_hm_bf16_q128_w1024_hc16",
-    "q_layout": "head_major",
-    "q_dtype": "bfloat16",
-    "k_dtype": "bfloat16",
-    "weights_dtype": "bfloat16",
-    "out_dtype": "bfloat16",
-    "block_q": 128,
-    "block_w": 1024,
-    "head_chunk": 16,
-}
+
+def _replan(base, **changes):
+    """The plan of ``base``'s variant with ``changes`` (a variant the shipped spec does not emit)."""
+    return plan.build(dataclasses.replace(base.variant, **changes))
 
 
 def _by_kernel(variant, shape):
@@ -60,7 +47,7 @@ def test_seq_major_f32_small():
     # VMEM: 2 * (16384 + 65536 + 8192 + 8192 + 8192) = 212992, no chunk accumulator, 2 f32 tiles 2*8192.
     assert fwd.vmem_bytes == 229376
     # FLOPs: 2*B*H*S*W*D = 2*2*32*256*128 = 4194304, plus 3*H*S*W = 49152 elementwise.
-    assert (fwd.flops, fwd.matmul_flops, fwd.useful_flops) == (4243456, 4194304, 4243456)
+    assert (fwd.flops, fwd.mxu_flops, fwd.useful_flops) == (4243456, 4194304, 4243456)
 
     # dq_dweights grid (b, i, j) = (1, 2, 2): as forward, plus g 4 reads, dq 2 and dweights 2 writes.
     # HBM 328192 - 8192*4 (no out) + 4*8192 (g) + 2*16384 (dq) + 2*128 (dweights) = 361216.
@@ -72,7 +59,7 @@ def test_seq_major_f32_small():
     # [16, 2] -> [16, 128] 8192; 3 f32 tiles 24576. Total 311296.
     assert dq.vmem_bytes == 311296
     # f32: one pass per matmul. 2 * 4194304 + 5*2*32*256 = 8388608 + 81920.
-    assert (dq.flops, dq.matmul_flops) == (8470528, 8388608)
+    assert (dq.flops, dq.mxu_flops) == (8470528, 8388608)
 
     # dk grid (b, j, i) = (1, 2, 2): q, weights, kv, g follow i (innermost): 4 each; k and dk follow j: 2.
     # HBM 4*16384 + 2*65536 + 4*128 + 4*128 + 4*8192 + 2*65536 = 361472.
@@ -82,7 +69,7 @@ def test_seq_major_f32_small():
     # VMEM: 2 * (106496 + 65536 dk) = 344064; accumulator [128, 128] f32 65536; 3 tiles 24576; the
     # transposed [128, 16] f32 pads to [128, 128]: 65536. Total 499712.
     assert dk.vmem_bytes == 499712
-    assert (dk.flops, dk.matmul_flops) == (8388608 + 2 * 16384, 8388608)
+    assert (dk.flops, dk.mxu_flops) == (8388608 + 2 * 16384, 8388608)
 
 
 def test_head_major_bf16_chunked():
@@ -102,7 +89,7 @@ def test_head_major_bf16_chunked():
     assert fwd.vmem_bytes == 3866624
     assert fwd.vmem_bytes_unpadded == 2 * (524288 + 262144 + 4096 + 1024 + 262144) + 3 * 524288
     # 2*32*256*2048*128 = 2**32 matmul, 3*32*256*2048 = 3 * 2**24 elementwise.
-    assert (fwd.flops, fwd.matmul_flops) == (2**32 + 3 * 2**24, 2**32)
+    assert (fwd.flops, fwd.mxu_flops) == (2**32 + 3 * 2**24, 2**32)
 
     # dq_dweights grid (b, i, c, j) = (1, 2, 2, 2): q, weights, dq, dweights follow c: 4; k, g follow j
     # (innermost): 8; kv 2. HBM 4*524288*2 + 8*262144*2 + 4*4096*2 + 2*1024 = 8423424.
@@ -113,7 +100,7 @@ def test_head_major_bf16_chunked():
     # dweights accumulator [128, 16] -> [128, 128] 65536, 3 f32 tiles 1572864. Total 6094848.
     assert dq.vmem_bytes == 6094848
     # bf16: the dq matmul runs as a head and a tail pass: 3 * 2**32 MXU, 5 * 2**24 elementwise.
-    assert (dq.flops, dq.matmul_flops, dq.useful_flops) == (
+    assert (dq.flops, dq.mxu_flops, dq.useful_flops) == (
         3 * 2**32 + 5 * 2**24,
         3 * 2**32,
         2 * 2**32 + 5 * 2**24,
@@ -127,7 +114,7 @@ def test_head_major_bf16_chunked():
     # VMEM: 2 * (1146880 + 262144 dk) = 2818048; f32 [1024, 128] accumulator 524288, 3 tiles and the
     # transposed [1024, 128] f32: 4 * 524288. Total 5439488.
     assert dk.vmem_bytes == 5439488
-    assert (dk.flops, dk.matmul_flops) == (3 * 2**32 + 2 * 2**24, 3 * 2**32)
+    assert (dk.flops, dk.mxu_flops) == (3 * 2**32 + 2 * 2**24, 3 * 2**32)
 
 
 def test_padding_and_shrinking():
@@ -137,7 +124,7 @@ def test_padding_and_shrinking():
     # S=40, W=300 on the q16/w128 f32 variant: bq 16, bw 128; S_pad 48, W_pad 384 are executed, not useful.
     [fwd, *_] = cost.variant_costs(SM_F32, (1, 2, 40, 128, 300))
     assert fwd.grid == (1, 3, 3)
-    assert fwd.matmul_flops == 2 * 2 * 48 * 384 * 128
+    assert fwd.mxu_flops == 2 * 2 * 48 * 384 * 128
     assert fwd.useful_flops == 2 * 40 * 300 * (2 * 128 + 3)
     assert fwd.min_hbm_bytes == 4 * (40 * 2 * 128 + 300 * 128 + 40 * 2 + 40 * 2 + 40 * 300)
 
@@ -156,57 +143,66 @@ def test_block_fetches_matches_brute_force(grid):
             assert cost.block_fetches(grid, axes) == expected, (grid, axes)
 
 
-# The templates' index maps, written out independently: grid point -> (b, c, i, j), then each operand's block.
-_GRID_TO_BCIJ = {
-    "forward": lambda b, i, j, c: (b, c, i, j),
-    "dq_dweights": lambda b, i, c, j: (b, c, i, j),
-    "dk": lambda b, j, i, c: (b, c, i, j),
-}
-_UNCHUNKED_GRID_TO_BCIJ = {  # head_chunk 0: no chunk axis, chunk 0
-    "forward": lambda b, i, j: (b, 0, i, j),
-    "dq_dweights": lambda b, i, j: (b, 0, i, j),
-    "dk": lambda b, j, i: (b, 0, i, j),
-}
-_BLOCK_INDEX = {
-    "q": lambda b, c, i, j: (b, c, i),
-    "k": lambda b, c, i, j: (b, j),
-    "weights": lambda b, c, i, j: (b, c, i),
-    "kv_bounds": lambda b, c, i, j: (b, i),
-    "out": lambda b, c, i, j: (b, i, j),
-    "g": lambda b, c, i, j: (b, i, j),
-    "dq": lambda b, c, i, j: (b, c, i),
-    "dweights": lambda b, c, i, j: (b, c, i),
-    "dk": lambda b, c, i, j: (b, j),
-    "k_scale": lambda b, c, i, j: (b, 0, j),
-    "dk_scale": lambda b, c, i, j: (b, 0, j),
-}
+def _pallas_calls(jaxpr):
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            yield eqn
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                yield from _pallas_calls(inner)
 
 
-def test_variant_fetches_match_brute_force_walk():
-    # B=2, H=32 (nc=2), S=384 (nq=3), W=2048 (nw=2): every axis moves.
-    with_scale = {**HM_BF16, "q_dtype": "float8_e4m3fn", "k_dtype": "float8_e4m3fn", "k_scale": True}
-    walks = [c for v in (HM_BF16, with_scale, SM_F32) for c in cost.variant_costs(v, (2, 32, 384, 128, 2048))]
-    for c in walks:
-        to_bcij = (_GRID_TO_BCIJ if len(c.grid) == 4 else _UNCHUNKED_GRID_TO_BCIJ)[c.kernel]
-        for name, count in c.fetches.items():
-            walk = lambda point: _BLOCK_INDEX[name](*to_bcij(*point))
-            assert count == _brute_force_fetches(c.grid, walk), (c.kernel, name)
+def _kernel_name(eqn, variant_name):
+    return str(getattr(eqn.params["name"], "name", eqn.params["name"])).removeprefix(variant_name + "_")
 
 
-def _generated_modules():
-    for info in pkgutil.iter_modules(generated.csa_v4.__path__):
-        if info.name.startswith("tpu_"):
-            yield importlib.import_module(f"generated.csa_v4.{info.name}")
+@pytest.mark.parametrize(
+    "name", ["tpu_hm_bf16_q16_w128_hc16", "tpu_sm_f32_q16_w128_hcall", "tpu_sm_fp8_q128_w1024_hc16"]
+)
+def test_fetches_match_a_walk_of_the_real_index_maps(name):
+    """Every block's DMA count in the cost model equals a walk of the generated pallas_call's own index
+    maps over its whole grid, fetching whenever a block index changes (the Pallas pipeline's rule)."""
+    module = VARIANTS[name]
+    shape = (2, 32, 300, 128, 2100) if "q128" in name else (2, 32, 40, 128, 300)  # every grid axis moves
+    q, k, weights = support.make_inputs(module.VARIANT, shape, seed=0)
+    scale = support.key_scale(module.VARIANT, k)
+
+    def loss(q, k, weights):
+        return jnp.sum(module.score(q, k, weights, **scale).astype(jnp.float32))
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, weights)
+    unmasked = jnp.zeros((2, shape[2]), jnp.int32), jnp.full((2, shape[2]), shape[4], jnp.int32)
+    x = module.prepare(q, k, weights, *unmasked, scale.get("k_scale"))
+    the_plan = family().plan(name)
+    walked = 0
+    for eqn in _pallas_calls(jaxpr.jaxpr):
+        kernel = the_plan.kernel(_kernel_name(eqn, name))
+        model = cost.kernel_cost(the_plan, kernel, shape)
+        mapping = eqn.params["grid_mapping"]
+        prefetch = [getattr(x, n) for n in kernel.scalar_prefetch]
+        assert tuple(mapping.grid) == model.grid, kernel.name
+        for block, bm in zip(kernel.blocks, mapping.block_mappings):
+            # The index map reads the scalar-prefetch refs: discharged, it takes and returns arrays.
+            index_map = discharge_state(bm.index_map_jaxpr)
+            rank = len(bm.index_map_jaxpr.jaxpr.outvars)
+            evaluate = jax.jit(lambda *args: jax.core.eval_jaxpr(index_map.jaxpr, index_map.consts, *args)[:rank])
+            indices = [
+                tuple(int(v) for v in evaluate(*point, *prefetch))
+                for point in itertools.product(*map(range, model.grid))
+            ]
+            fetches = 1 + sum(a != b for a, b in zip(indices, indices[1:]))
+            assert fetches == model.fetches[block.name], (kernel.name, block.name)
+            walked += 1
+    assert walked >= 5 * len(the_plan.kernels)
 
 
 def test_tiling_matches_generated_modules():
-    for module in _generated_modules():
+    for the_plan in family().plans:
+        module = VARIANTS[the_plan.name]
         for seq_len, num_blocks in [(1, 1), (20, 130), (200, 5000), (8192, 2048)]:
-            t = cost.tiling(module.VARIANT, (1, 64, seq_len, 128, num_blocks))
-            assert (t.block_q, t.block_w) == module._tiles(seq_len, num_blocks), module.VARIANT["name"]
-        kernels = [c.kernel for c in cost.variant_costs(module.VARIANT, (1, 64, 256, 128, 1024))]
-        fused = module.VARIANT["backward"] == "fused"
-        assert kernels == (["forward", "dq_dweights", "dk"] if fused else ["forward"])
+            t = cost.tiling(the_plan, (1, 64, seq_len, 128, num_blocks))
+            assert (t.block_q, t.block_w) == module.tiles(seq_len, num_blocks), the_plan.name
 
 
 def test_vmem_footprints_are_full_tiles():
@@ -240,23 +236,15 @@ def test_roofline():
     assert fwd.memory_seconds(v6e) == pytest.approx(337707008 / 1.64e12)
     assert fwd.intensity() == pytest.approx((2**38 + 3 * 2**30) / 337707008)
     # f32 inputs run at 1/6 of the bf16 rate.
-    [f32_fwd, *_] = cost.variant_costs(
-        {**HM_BF16, "q_dtype": "float32", "k_dtype": "float32"}, (1, 64, 8192, 128, 2048)
-    )
+    [f32_fwd, *_] = cost.variant_costs(family().plan("tpu_hm_f32_q128_w1024_hc16"), (1, 64, 8192, 128, 2048))
     assert f32_fwd.compute_seconds(v6e) == pytest.approx(2**38 * 6 / 920e12 + 3 * 2**30 / 920e12)
 
 
 def test_float8_keys_with_scale():
     # float8 q/k with a per-key float32 scale, bf16 gradients (the spec's float8 policy). B=1, H=32, S=256,
     # D=128, W=2048: float8 rows come in 32s, bq = min(128, 256) = 128; bw 1024; grid as the bf16 case.
-    fp8 = {
-        **HM_BF16,
-        "q_dtype": "float8_e4m3fn",
-        "k_dtype": "float8_e4m3fn",
-        "k_scale": True,
-        "matmul_precision": "default",
-        "q_grad_dtype": "bfloat16",
-    }
+    policy = DtypePolicy(qk="float8_e4m3fn", k_scale=True, weights="bfloat16", out="bfloat16")
+    fp8 = _replan(HM_BF16, policy=policy)
     costs = _by_kernel(fp8, (1, 32, 256, 128, 2048))
     fwd, dq, dk = costs["forward"], costs["dq_dweights"], costs["dk"]
     # Forward: q [16, 128, 128] 262144 x 8; k [1024, 128] 131072 x 4; weights 4096 x 8; kv 1024 x 2;
@@ -278,16 +266,17 @@ def test_float8_keys_with_scale():
     )
     # The MXU runs bf16 (float8 is upcast in VMEM), so the gradient matmul splits: 3 passes of 2**32;
     # dk also recomputes the weighted relu sum for dk_scale: (2 + 3) * 2**24 elementwise.
-    assert fwd.mxu_itemsize == 2 and dq.matmul_flops == 3 * 2**32
+    assert fwd.mxu_itemsize == 2 and dq.mxu_flops == 3 * 2**32
     assert dk.flops == 3 * 2**32 + 5 * 2**24
 
 
 def test_float32_default_precision_is_one_bf16_pass():
-    f32_default = {**SM_F32, "matmul_precision": "default"}
+    policy = DtypePolicy(qk="float32", weights="float32", out="float32", matmul_precision="default")
+    f32_default = _replan(SM_F32, policy=policy)
     [fwd, dq, _] = cost.variant_costs(f32_default, (1, 2, 32, 128, 256))
     assert fwd.mxu_itemsize == 2 and cost.variant_costs(SM_F32, (1, 2, 32, 128, 256))[0].mxu_itemsize == 4
     # float32 q/k: the gradient matmul is one dot, whatever the precision.
-    assert dq.matmul_flops == 2 * 4194304
+    assert dq.mxu_flops == 2 * 4194304
 
 
 @pytest.mark.parametrize(
@@ -295,14 +284,6 @@ def test_float32_default_precision_is_one_bf16_pass():
 )
 def test_generated_cost_estimates_are_the_model(name):
     """Every pallas_call carries a pl.CostEstimate equal to codegen.cost's FLOPs and HBM bytes."""
-    import functools
-
-    import jax
-    import jax.numpy as jnp
-
-    from generated.csa_v4 import VARIANTS
-    from tests import support
-
     module = VARIANTS[name]
     shape = (2, 32, 300, 128, 2100)
     q, k, weights = support.make_inputs(module.VARIANT, shape, seed=0)
@@ -311,25 +292,13 @@ def test_generated_cost_estimates_are_the_model(name):
         return jnp.sum(support.call(module, q, k, weights).astype(jnp.float32))
 
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, weights)
-    estimates = {}
-    for eqn in _all_equations(jaxpr.jaxpr):
-        if eqn.primitive.name == "pallas_call":
-            kernel = str(getattr(eqn.params["name"], "name", eqn.params["name"])).removeprefix(name + "_")
-            estimates[kernel] = eqn.params["cost_estimate"]
-    assert set(estimates) == {"forward", "dq_dweights", "dk"}
+    estimates = {_kernel_name(e, name): e.params["cost_estimate"] for e in _pallas_calls(jaxpr.jaxpr)}
+    the_plan = family().plan(name)
+    assert set(estimates) == {k.name for k in the_plan.kernels}
     for kernel, estimate in estimates.items():
-        model = cost.kernel_cost(module.VARIANT, shape, kernel)
+        model = cost.kernel_cost(the_plan, the_plan.kernel(kernel), shape)
         assert (estimate.flops, estimate.bytes_accessed, estimate.transcendentals) == (
             model.flops,
             model.hbm_bytes,
             0,
         ), kernel
-
-
-def _all_equations(jaxpr):
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for param in eqn.params.values():
-            inner = getattr(param, "jaxpr", param)
-            if hasattr(inner, "eqns"):
-                yield from _all_equations(inner)

@@ -26,7 +26,7 @@ def test_the_family_has_an_fp8_variant_at_the_production_tiling():
 def test_every_output_and_gradient_dtype_has_a_tolerance():
     for module in VARIANTS.values():
         variant = module.VARIANT
-        for key in ("out_dtype", "q_grad_dtype", "weights_dtype"):
+        for key in ("out_dtype", "qk_grad_dtype", "weights_dtype"):
             assert variant[key] in RTOL, f"{variant['name']}: no tolerance for {variant[key]}"
 
 

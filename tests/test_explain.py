@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 
 import pytest
 
-from codegen import cli, cost, load, validate, variants
+from codegen import cli, cost, load, pipeline, plan
 from codegen.errors import SpecError
 from generated.csa_v4 import VARIANTS
-from tests.spec_cases import SPEC_PATH, edited
+from tests.spec_cases import SPEC_PATH, edited, family
 
 PRODUCTION = "tpu_hm_bf16_q128_w1024_hc16"
 SHAPE = "1,64,8192,128,2048"
@@ -17,7 +19,7 @@ SHAPE = "1,64,8192,128,2048"
 
 def _check(text: str):
     spec = load.parse(text, "spec.yaml")
-    return validate.check(spec, variants.expand(spec, "spec.yaml"), "spec.yaml")
+    return list(pipeline.build(spec, "spec.yaml").warnings)
 
 
 def test_an_over_budget_variant_is_rejected_with_the_numbers():
@@ -59,9 +61,8 @@ def test_targets_decide_the_budget():
             )
         )
 
-    footprint = cost.vmem_footprints(
-        dict(VARIANTS[PRODUCTION].VARIANT, block_q=512, block_w=8192), num_heads=64, head_dim=128
-    )
+    big = plan.build(dataclasses.replace(family().plan(PRODUCTION).variant, block_q=512, block_w=8192))
+    footprint = cost.vmem_footprints(big, num_heads=64, head_dim=128)
     assert 64 * 2**20 < max(footprint.values()) * 1.25 < 128 * 2**20
     with pytest.raises(SpecError, match="more than v5p 64 MiB, 7x 64 MiB"):
         _check(edited(lambda d: edit(d, ["v5e", "v5p", "v6e", "7x"])))
@@ -80,7 +81,7 @@ def test_a_legal_but_non_native_block_warns(capsys, tmp_path):
 def test_kernels_over_the_default_scope_ask_for_more_vmem():
     """f32 with all 64 heads per step needs more than v5e's 16 MiB default in the dq kernel."""
     limits = VARIANTS["tpu_hm_f32_q128_w1024_hcall"].VMEM_LIMIT_BYTES
-    need = cost.vmem_footprints(VARIANTS["tpu_hm_f32_q128_w1024_hcall"].VARIANT, 64, 128)["dq_dweights"]
+    need = cost.vmem_footprints(family().plan("tpu_hm_f32_q128_w1024_hcall"), 64, 128)["dq_dweights"]
     assert need > 16 * 2**20 and limits["dq_dweights"] >= need and limits["dq_dweights"] % 2**20 == 0
     assert limits["forward"] is None
     assert all(v is None for v in VARIANTS[PRODUCTION].VMEM_LIMIT_BYTES.values())
@@ -92,8 +93,8 @@ def test_explain_the_production_variant(capsys):
     lines = {line.split()[1]: line for line in out.splitlines() if line.startswith(PRODUCTION)}
     assert set(lines) == {"forward", "dq_dweights", "dk"}
     # forward: grid (B, q blocks, w blocks, chunks) = 1 x 64 x 2 x 4; 2 * 64 * 8192 * 2048 * 128 = 2**38
-    # matmul FLOPs plus 3 elementwise per entry (3 * 2**30) = 278.1 GFLOP.
-    assert "1x64x2x4" in lines["forward"] and "278.1" in lines["forward"]
+    # MXU FLOPs (274.9 GFLOP) and 3 elementwise operations per entry (3 * 2**30 = 3.2 Gop).
+    assert "1x64x2x4" in lines["forward"] and "  274.9  " in lines["forward"] and "  3.2  " in lines["forward"]
     assert "k [1024, 128]" in out and "q [16, 128, 128]" in out
 
 
@@ -104,7 +105,8 @@ def test_explain_json_and_causal(capsys):
     assert cli.main(args + ["--causal"]) == 0
     causal = {row["kernel"]: row for row in json.loads(capsys.readouterr().out)}
     # Causal at S = 8192, W = 2048 with 128 x 1024 tiles: 96 of 128 tiles have work.
-    assert causal["forward"]["flops"] == full["forward"]["flops"] * 96 // 128
+    assert causal["forward"]["mxu_flops"] == full["forward"]["mxu_flops"] * 96 // 128
+    assert causal["forward"]["vpu_ops"] == full["forward"]["vpu_ops"] * 96 // 128
     assert causal["dk"]["hbm_bytes"] < full["dk"]["hbm_bytes"]
 
 
@@ -116,15 +118,7 @@ def test_explain_json_and_causal(capsys):
     ],
 )
 def test_explain_bad_arguments(args, fragment, capsys):
-    with pytest.raises(SystemExit) if "--chip" not in args else _no_raise():
+    with pytest.raises(SystemExit) if "--chip" not in args else contextlib.nullcontext():
         code = cli.main(["explain", str(SPEC_PATH), PRODUCTION, *args])
         assert code == 2
     assert fragment in capsys.readouterr().err
-
-
-class _no_raise:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

@@ -12,8 +12,8 @@ import pytest
 from codegen import hlo_audit
 from generated.csa_v4 import VARIANTS
 from tests import support
+from tests.spec_cases import family
 
-NAMES = sorted(VARIANTS)
 
 # (B, H, S, D, W). Every H is a multiple of 16 so each head-chunked variant runs.
 FORWARD_SHAPES = {
@@ -28,17 +28,12 @@ GRADIENT_SHAPES = {  # tests/test_masking.py adds masked gradients, and fully ma
 }
 
 
-def _module(name):
-    return VARIANTS[name]
-
-
 @pytest.mark.parametrize("shape_name", sorted(FORWARD_SHAPES))
-@pytest.mark.parametrize("name", NAMES)
-def test_forward_matches_reference(name, shape_name):
+def test_forward_matches_reference(module, shape_name):
     """Interpret mode fills outputs with NaN first, so an unwritten element fails. The ragged case
     runs in the TPU-faithful interpreter (NaN-filled VMEM, race detection, out-of-bounds reads
     raise) with a non-default scale."""
-    module = _module(name)
+    name = module.VARIANT["name"]
     shape = FORWARD_SHAPES[shape_name]
     q, k, weights = support.make_inputs(module.VARIANT, shape, seed=sorted(FORWARD_SHAPES).index(shape_name))
     tpu_faithful = shape_name == "ragged_two_chunks"
@@ -52,9 +47,8 @@ def test_forward_matches_reference(name, shape_name):
 
 
 @pytest.mark.parametrize("shape_name", sorted(GRADIENT_SHAPES))
-@pytest.mark.parametrize("name", NAMES)
-def test_gradients_match_reference_vjp(name, shape_name):
-    module = _module(name)
+def test_gradients_match_reference_vjp(module, shape_name):
+    name = module.VARIANT["name"]
     variant = module.VARIANT
     shape = GRADIENT_SHAPES[shape_name]
     q, k, weights = support.make_inputs(variant, shape, seed=11)
@@ -67,18 +61,17 @@ def test_gradients_match_reference_vjp(name, shape_name):
     grads = vjp(cotangent)
     ref_grads = support.reference_grads(variant, q, k, weights, cotangent)
 
-    grad_dtypes = (variant["q_grad_dtype"], variant["q_grad_dtype"], variant["weights_dtype"])
+    grad_dtypes = (variant["qk_grad_dtype"], variant["qk_grad_dtype"], variant["weights_dtype"])
     for arg, grad, ref_grad, dtype in zip(("q", "k", "weights"), grads, ref_grads, grad_dtypes):
         # Each gradient in its input's dtype; float8 inputs get bfloat16 gradients (VARIANT says so).
         assert grad.dtype == jnp.dtype(dtype), f"d{arg} is {grad.dtype}, expected {dtype}"
         support.assert_close(f"{name} d{arg} {shape}", grad, ref_grad)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_lowers_for_tpu(name):
+def test_lowers_for_tpu(module):
     """Mosaic's TPU lowering accepts the forward and the gradient at the production head shape, and
     the fused gradient does no [S, W]-sized work outside its kernels (the reference one does)."""
-    module = _module(name)
+    name = module.VARIANT["name"]
     shape = (1, 64, 256, 128, 2048)
     q, k, weights = support.make_inputs(module.VARIANT, shape, seed=0)
     assert (
@@ -106,7 +99,7 @@ def test_lowers_for_tpu(name):
 
 REFERENCE_TWINS = sorted(
     (name, name.removesuffix("_refbwd"))
-    for name in NAMES
+    for name in VARIANTS
     if VARIANTS[name].VARIANT["backward"] == "reference" and name.removesuffix("_refbwd") in VARIANTS
 )
 
@@ -130,19 +123,41 @@ def test_fused_and_reference_backward_agree(reference_name, fused_name):
         support.assert_close(f"d{arg}", fused_grad, reference_grad.astype(jnp.float32))
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_variant_metadata_matches_behaviour(name):
-    """VARIANT is what the module does: its dtypes are enforced and its name is its file's."""
-    module = _module(name)
+def test_variant_metadata_matches_behaviour(module):
+    """VARIANT is what the spec resolved for this variant, its constants are VARIANT's, and the module's
+    output and gradient dtypes are those VARIANT names (by abstract evaluation: nothing runs)."""
+    name = module.VARIANT["name"]
     variant = module.VARIANT
-    assert module.__name__.rsplit(".", 1)[-1] == variant["name"] == name
-    assert variant["q_layout"] in ("head_major", "seq_major")
-    assert {"backend", "q_dtype", "k_dtype", "weights_dtype", "out_dtype", "block_q", "block_w"} <= set(
-        variant
+    assert module.__name__.rsplit(".", 1)[-1] == name
+    assert variant == family().plan(name).variant.as_dict()
+    assert (module.BLOCK_Q, module.BLOCK_W, module.HEAD_CHUNK or 0) == (
+        variant["block_q"],
+        variant["block_w"],
+        variant["head_chunk"],
     )
-    assert {"head_chunk", "backward"} <= set(variant)
-    for key in ("q_dtype", "k_dtype", "weights_dtype", "out_dtype"):
-        np.dtype(jnp.dtype(variant[key]))  # a real dtype name
+    shape = (1, 32, 20, 64, 130)
+    q, k, weights = support.make_inputs(variant, shape, seed=0)
+    out, vjp = jax.vjp(functools.partial(support.call, module, interpret=True), q, k, weights)
+    cotangent = jax.ShapeDtypeStruct(out.shape, out.dtype)
+    grads = jax.eval_shape(vjp, cotangent)
+    assert out.dtype == jnp.dtype(variant["out_dtype"]) and out.shape == (1, 20, 130)
+    assert [g.dtype for g in grads] == [
+        jnp.dtype(variant[key]) for key in ("qk_grad_dtype", "qk_grad_dtype", "weights_dtype")
+    ]
+
+
+def test_the_same_call_twice_is_bitwise_identical(module):
+    """Determinism: the forward and every gradient, run twice, are equal bit for bit."""
+    q, k, weights = support.make_inputs(module.VARIANT, (2, 16, 24, 64, 200), seed=7)
+    cotangent = jax.random.normal(jax.random.PRNGKey(8), (2, 24, 200)).astype(module.VARIANT["out_dtype"])
+    kv_start, kv_end = support.mask_batch(24, 200, seed=9)
+    score = functools.partial(support.call, module, kv_start=kv_start[:2], kv_end=kv_end[:2], interpret=True)
+    runs = []
+    for _ in range(2):
+        out, vjp = jax.vjp(score, q, k, weights)
+        runs.append([np.asarray(a).view(np.uint8) for a in (out, *vjp(cotangent))])
+    for first, second in zip(*runs):
+        assert np.array_equal(first, second)
 
 
 def test_poisoned_output_catches_an_unwritten_tile():

@@ -3,12 +3,14 @@
 """The ``csa_v4`` kernel family: DeepSeek-V4 CSA StreamIndex (lightning indexer) score, forward and backward.
 
 ``VARIANTS`` maps every variant's name to its module. Each module exposes ``VARIANT`` (its resolved
-parameters) and ``score(q, k, weights, *, kv_start=None, kv_end=None, k_scale=None, softmax_scale=None,
-interpret=False)``. ``causal_kv_range`` gives the causal CSA visible range for
-``kv_start, kv_end``; ``quantize_fp8_per_token`` makes the keys and ``k_scale`` of float8 variants.
+parameters), ``score(q, k, weights, *, kv_start=None, kv_end=None, k_scale=None, softmax_scale=None,
+interpret=False)``, ``tiles(seq_len, num_blocks)`` (a call's effective tiling) and ``prepare`` (the
+kernel-ready operands, with the tile ranges the kernels skip by). ``causal_kv_range`` gives the
+causal CSA visible range for ``kv_start, kv_end``; ``quantize_fp8_per_token`` makes the keys and
+``k_scale`` of float8 variants; ``tile_ranges`` is what every kernel skips tiles by.
 """
 
-from .helpers import COMPRESS_RATE, causal_kv_range, quantize_fp8_per_token
+from ._runtime import COMPRESS_RATE, causal_kv_range, quantize_fp8_per_token, tile_ranges
 
 from . import tpu_hm_bf16_q128_w1024_hc16
 from . import tpu_hm_bf16_q128_w1024_hcall

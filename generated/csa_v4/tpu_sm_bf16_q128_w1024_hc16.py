@@ -7,18 +7,19 @@
 Shapes: q [B, S, H, D] (sequence-major), k [B, W, D], weights [B, S, H] -> [B, S, W].
 Dtypes: q and k bfloat16, weights bfloat16, accumulation float32, output bfloat16.
 Gradients: dq and dk bfloat16, dweights bfloat16.
-Tiling: 128 queries x 1024 compressed blocks per tile, 16 heads contracted per grid step.
+Tiling: BLOCK_Q queries x BLOCK_W compressed blocks per tile, HEAD_CHUNK heads contracted per grid step.
 Backward: two fused Pallas kernels (dq with dweights, and dk) that recompute logits in VMEM.
+What every variant shares (input checks, padding, tile ranges, cost estimates) is in ``_runtime``.
 """
 
 import functools
-import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from . import _runtime
 
 VARIANT = {
     "name": "tpu_sm_bf16_q128_w1024_hc16",
@@ -31,7 +32,7 @@ VARIANT = {
     "out_dtype": "bfloat16",
     "k_scale": False,
     "matmul_precision": "default",
-    "q_grad_dtype": "bfloat16",
+    "qk_grad_dtype": "bfloat16",
     "block_q": 128,
     "block_w": 1024,
     "head_chunk": 16,
@@ -41,231 +42,77 @@ VARIANT = {
 BLOCK_Q = 128
 BLOCK_W = 1024
 HEAD_CHUNK = 16  # heads contracted per grid step; None: all of them
-Q_DTYPE = jnp.bfloat16
-K_DTYPE = jnp.bfloat16
-WEIGHTS_DTYPE = jnp.bfloat16
-ACCUM_DTYPE = jnp.float32
-OUT_DTYPE = jnp.bfloat16
-GRAD_QK_DTYPE = jnp.bfloat16  # dtype of dq and dk
-MASKED_VALUE = float("-inf")  # every entry a query may not see
 # Padding granule of a shrunk block: the native sublane tiling of the narrowest dtype in a q-row block.
 SUBLANES = 16
-LANES = 128
 # bfloat16 inputs are exact on the MXU; products accumulate in float32.
 MATMUL_PRECISION = jax.lax.Precision.DEFAULT
 # Scoped VMEM to compile each kernel with (None: the chip's default); codegen sized it for v5e, v5p, v6e, 7x.
 VMEM_LIMIT_BYTES = {"forward": None, "dq_dweights": None, "dk": None}
-# q_h [rows, D] . k [cols, D]^T: contract the last dimension of both.
-_CONTRACT_LAST = (((1,), (1,)), ((), ()))
+# From the kernel plan: the grid axes each operand's block index follows (b batch, c head chunk,
+# i q block, j w block), and each kernel's work per (head, query, block) entry: MXU passes of a
+# logits-sized matmul, elementwise operations.
+FOLLOWS = {
+    "q": "bic",
+    "k": "bj",
+    "weights": "bci",
+    "kv_bounds": "bi",
+    "out": "bij",
+    "g": "bij",
+    "dq": "bic",
+    "dweights": "bci",
+    "dk": "bj",
+}
+WORK = {
+    "forward": (1, 3),
+    "dq_dweights": (3, 5),
+    "dk": (3, 2),
+}
 
 
-def _q_dims(q):
-    """(batch, num_heads, seq_len, head_dim) of q in this variant's seq_major layout."""
-    batch, seq_len, num_heads, head_dim = q.shape
-    return batch, num_heads, seq_len, head_dim
+def tiles(seq_len, num_blocks):
+    """This call's (block_q, block_w): BLOCK_Q x BLOCK_W, shrunk when the problem is smaller than a tile."""
+    return _runtime.tiles(seq_len, num_blocks, BLOCK_Q, BLOCK_W, SUBLANES)
 
 
-def _check_inputs(q, k, weights):
-    """Raises ValueError naming the argument whose rank, shape or dtype does not fit this variant."""
-    for name, array, layout in (
-        ("q", q, "[B, S, H, D]"),
-        ("k", k, "[B, W, D]"),
-        ("weights", weights, "[B, S, H]"),
-    ):
-        if not hasattr(array, "shape") or not hasattr(array, "dtype"):
-            raise ValueError(f"{name} must be an array {layout}, got {type(array).__name__}")
-        if array.ndim != layout.count(",") + 1:
-            raise ValueError(
-                f"{name} must have rank {layout.count(',') + 1} {layout}, got shape {tuple(array.shape)}"
-            )
-    for name, array, dtype in (("q", q, Q_DTYPE), ("k", k, K_DTYPE), ("weights", weights, WEIGHTS_DTYPE)):
-        if array.dtype != dtype:
-            raise ValueError(
-                f"{name} must be {jnp.dtype(dtype).name} for variant {VARIANT['name']}, got {array.dtype}"
-            )
-    batch, num_heads, seq_len, head_dim = _q_dims(q)
-    if seq_len < 1 or num_heads < 1 or head_dim < 1:
-        raise ValueError(f"q must have at least one query, head and feature, got shape {tuple(q.shape)}")
-    if k.shape[0] != batch or k.shape[2] != head_dim or k.shape[1] < 1:
-        raise ValueError(
-            f"k must be [B={batch}, W>=1, D={head_dim}] to match q {tuple(q.shape)}, got shape {tuple(k.shape)}"
-        )
-    if tuple(weights.shape) != (batch, seq_len, num_heads):
-        raise ValueError(
-            f"weights must be [B={batch}, S={seq_len}, H={num_heads}] to match q {tuple(q.shape)}, "
-            f"got shape {tuple(weights.shape)}"
-        )
-    if HEAD_CHUNK is not None and num_heads % HEAD_CHUNK:
-        raise ValueError(
-            f"q has {num_heads} heads, which head_chunk {HEAD_CHUNK} of variant {VARIANT['name']} does not divide"
-        )
-
-
-def _check_scale(softmax_scale):
-    """The scale is static (it is baked into the kernel): a positive, finite Python number."""
-    try:
-        scale = float(softmax_scale)
-    except (TypeError, ValueError):
-        raise ValueError(f"softmax_scale must be a positive Python float, got {softmax_scale!r}") from None
-    if not 0.0 < scale < float("inf"):
-        raise ValueError(f"softmax_scale must be positive and finite, got {scale}")
-    return scale
-
-
-def _check_kv_bound(name, bound, shape, default):
-    """An integer [B, S] visibility bound as int32; ``default`` everywhere when None."""
-    if bound is None:
-        return jnp.full(shape, default, jnp.int32)
-    if not hasattr(bound, "shape") or not hasattr(bound, "dtype"):
-        raise ValueError(f"{name} must be an integer array [B, S], got {type(bound).__name__}")
-    if tuple(bound.shape) != shape:
-        raise ValueError(
-            f"{name} must be [B={shape[0]}, S={shape[1]}] to match q, got shape {tuple(bound.shape)}"
-        )
-    if not jnp.issubdtype(bound.dtype, jnp.integer):
-        raise ValueError(f"{name} must be an integer array (int32), got {bound.dtype}")
-    return jnp.asarray(bound, jnp.int32)
-
-
-def _check_k_scale(k_scale, shape):
-    """This variant's keys carry no scale: passing one is a mistake, not something to ignore."""
-    del shape
-    if k_scale is not None:
-        raise ValueError(
-            f"k_scale applies to float8 variants only; variant {VARIANT['name']} stores k as {jnp.dtype(K_DTYPE).name}"
-        )
-    return None
-
-
-def _round_up(x, multiple):
-    return -(-x // multiple) * multiple
-
-
-def _tiles(seq_len, num_blocks):
-    """This call's (block_q, block_w): the variant's, shrunk when the problem is smaller than a tile."""
-    return min(BLOCK_Q, _round_up(seq_len, SUBLANES)), min(BLOCK_W, _round_up(num_blocks, LANES))
-
-
-def _pad_to(x, axis, size):
-    """Zero-pads ``axis`` of ``x`` up to ``size``; returns ``x`` itself (no copy) when it fits already."""
-    if x.shape[axis] == size:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths)
-
-
-def _crop_to(x, shape):
-    """Slices the padding back off; returns ``x`` itself when there is none."""
-    if tuple(x.shape) == tuple(shape):
-        return x
-    return x[tuple(slice(0, n) for n in shape)]
-
-
-class _Operands(NamedTuple):
-    """Kernel-ready operands: padded to whole tiles, laid out so every block is legal on TPU, and the
-    visible range of every query and every tile."""
-
-    q: jax.Array  # [B, S_pad, H * D]: each head is a group of D lanes
-    k: jax.Array  # [B, W_pad, D]
-    weights: jax.Array  # [B, H // HEAD_CHUNK, S_pad, HEAD_CHUNK]: one full-width block per chunk
-    kv_bounds: jax.Array  # [B, S_pad, 2] int32: each query's visible [kv_start, kv_end); padding sees nothing
-    w_lo: jax.Array  # [B, S_pad // block_q] int32: first w block any query of the q block sees
-    w_hi: jax.Array  # [B, S_pad // block_q] int32: one past the last; w_lo == w_hi when it sees none
-    q_lo: jax.Array  # [B, W_pad // block_w] int32: first q block that sees the w block
-    q_hi: jax.Array  # [B, W_pad // block_w] int32: one past the last
-    batch: int
-    num_heads: int
-    seq_len: int
-    num_blocks: int
-    head_dim: int
-    seq_pad: int  # S rounded up to whole q tiles
-    blocks_pad: int  # W rounded up to whole w tiles
-    block_q: int
-    block_w: int
-
-    @property
-    def num_chunks(self):
-        return self.num_heads // (HEAD_CHUNK or self.num_heads)
-
-
-def _tile_ranges(kv_start, kv_end, block_q, block_w, num_w_blocks):
-    """Which (q block, w block) tiles hold any visible entry, as ranges small enough for SMEM.
-
-    A q block's visible w blocks are contiguous (the union of its rows' ranges is covered by
-    [min kv_start, max kv_end)); a w block's q blocks may have holes, so [q_lo, q_hi) only bounds
-    them and the kernels test each tile exactly.
-    """
-    batch, seq_pad = kv_start.shape
-    rows = lambda x: x.reshape(batch, seq_pad // block_q, block_q)
-    nonempty = rows(kv_end > kv_start)
-    first = jnp.min(jnp.where(nonempty, rows(kv_start), jnp.iinfo(jnp.int32).max), axis=2)
-    last = jnp.max(jnp.where(nonempty, rows(kv_end), 0), axis=2)
-    seen = jnp.any(nonempty, axis=2)
-    w_lo = jnp.where(seen, first // block_w, 0).astype(jnp.int32)
-    w_hi = jnp.where(seen, -(-last // block_w), 0).astype(jnp.int32)
-    w_blocks = jnp.arange(num_w_blocks, dtype=jnp.int32)
-    active = (w_lo[:, :, None] <= w_blocks) & (w_blocks < w_hi[:, :, None])  # [B, q blocks, w blocks]
-    any_active = jnp.any(active, axis=1)
-    num_q_blocks = active.shape[1]
-    q_lo = jnp.where(any_active, jnp.argmax(active, axis=1), 0).astype(jnp.int32)
-    q_hi = jnp.where(any_active, num_q_blocks - jnp.argmax(active[:, ::-1], axis=1), 0).astype(jnp.int32)
-    return w_lo, w_hi, q_lo, q_hi
-
-
-def _prepare(q, k, weights, kv_start, kv_end, k_scale):
-    batch, num_heads, seq_len, head_dim = _q_dims(q)
+def prepare(q, k, weights, kv_start, kv_end, k_scale):
+    """The kernel-ready ``_runtime.Operands`` of a checked call: padded to whole tiles, with tile ranges."""
+    batch, num_heads, seq_len, head_dim = _runtime.q_dims(q, VARIANT["q_layout"])
     num_blocks = k.shape[1]
-    block_q, block_w = _tiles(seq_len, num_blocks)
-    seq_pad, blocks_pad = _round_up(seq_len, block_q), _round_up(num_blocks, block_w)
-    q = _pad_to(q, 1, seq_pad).reshape(batch, seq_pad, num_heads * head_dim)  # a free reshape
-    weights = _pad_to(weights, 1, seq_pad)
+    block_q, block_w = tiles(seq_len, num_blocks)
+    seq_pad, blocks_pad = _runtime.round_up(seq_len, block_q), _runtime.round_up(num_blocks, block_w)
+    q = _runtime.pad_to(q, 1, seq_pad).reshape(batch, seq_pad, num_heads * head_dim)  # a free reshape
+    weights = _runtime.pad_to(weights, 1, seq_pad)
     # [B, S, H] -> [B, H // HEAD_CHUNK, S, HEAD_CHUNK]: a copy of S * H elements, far below S * W.
     weights = weights.reshape(batch, seq_pad, num_heads // HEAD_CHUNK, HEAD_CHUNK).transpose(0, 2, 1, 3)
-    k = _pad_to(k, 1, blocks_pad)
-    # Clip to the blocks that exist, and give padding queries the empty range.
-    kv_start = _pad_to(jnp.clip(kv_start.astype(jnp.int32), 0, num_blocks), 1, seq_pad)
-    kv_end = _pad_to(jnp.clip(kv_end.astype(jnp.int32), 0, num_blocks), 1, seq_pad)
-    ranges = _tile_ranges(kv_start, kv_end, block_q, block_w, blocks_pad // block_w)
-    kv_bounds = jnp.stack([kv_start, kv_end], axis=-1)
-    del k_scale  # this variant's keys carry no scale
-    return _Operands(
-        q, k, weights, kv_bounds, *ranges,
-        batch, num_heads, seq_len, num_blocks, head_dim, seq_pad, blocks_pad, block_q, block_w,
+    kv_start, kv_end = _runtime.kv_bounds(kv_start, kv_end, num_blocks, seq_pad)
+    ranges = _runtime.tile_ranges(kv_start, kv_end, block_q, block_w, blocks_pad // block_w)
+    return _runtime.Operands(
+        q, _runtime.pad_to(k, 1, blocks_pad), weights, jnp.stack([kv_start, kv_end], axis=-1), k_scale, *ranges,
+        batch, num_heads, seq_len, num_blocks, head_dim, seq_pad, blocks_pad, block_q, block_w, HEAD_CHUNK or num_heads,
     )  # fmt: skip
 
 
-def _block_specs(ops, fetch):
+def _block_specs(x, fetch):
     """BlockSpecs of every operand, for a grid whose points map to blocks through ``fetch``.
 
     ``fetch(*grid_indices, *scalar_prefetch_refs) -> (b, c, i, j)``: the batch, head chunk, q block
     and w block whose tiles are in VMEM at that grid point.
     """
-    heads = HEAD_CHUNK or ops.num_heads
 
-    def spec(block_shape, place):
-        return pl.BlockSpec(block_shape, lambda *grid: place(*fetch(*grid)))
+    def spec(block_shape, index):
+        return pl.BlockSpec(block_shape, lambda *grid: index(*fetch(*grid)))
 
     return dict(
-        q=spec((None, ops.block_q, heads * ops.head_dim), lambda b, c, i, j: (b, i, c)),
-        k=spec((None, ops.block_w, ops.head_dim), lambda b, c, i, j: (b, j, 0)),
-        weights=spec((None, None, ops.block_q, heads), lambda b, c, i, j: (b, c, i, 0)),
-        kv_bounds=spec((None, ops.block_q, 2), lambda b, c, i, j: (b, i, 0)),
-        tile=spec((None, ops.block_q, ops.block_w), lambda b, c, i, j: (b, i, j)),
+        q=spec((None, x.block_q, x.heads * x.head_dim), lambda b, c, i, j: (b, i, c)),
+        k=spec((None, x.block_w, x.head_dim), lambda b, c, i, j: (b, j, 0)),
+        weights=spec((None, None, x.block_q, x.heads), lambda b, c, i, j: (b, c, i, 0)),
+        kv_bounds=spec((None, x.block_q, 2), lambda b, c, i, j: (b, i, 0)),
+        out=spec((None, x.block_q, x.block_w), lambda b, c, i, j: (b, i, j)),
+        g=spec((None, x.block_q, x.block_w), lambda b, c, i, j: (b, i, j)),
+        dq=spec((None, x.block_q, x.heads * x.head_dim), lambda b, c, i, j: (b, i, c)),
+        dweights=spec((None, None, x.block_q, x.heads), lambda b, c, i, j: (b, c, i, 0)),
+        dk=spec((None, x.block_w, x.head_dim), lambda b, c, i, j: (b, j, 0)),
     )
-
-
-def _kernel_inputs(ops, cotangent=None):
-    """(array, block name) of each kernel input, in argument order: one list for every pallas_call,
-    its in_specs and its cost estimate; the backward kernels add the cotangent tile."""
-    inputs = [(ops.q, "q"), (ops.k, "k"), (ops.weights, "weights"), (ops.kv_bounds, "kv_bounds")]
-    return inputs if cotangent is None else inputs + [(cotangent, "tile")]
-
-
-def _clamp(x, lo, hi):
-    """x clamped into the half-open [lo, hi) (to lo when it is empty): where a skipped step points
-    its index map so that it names a block already in VMEM and no DMA is issued."""
-    return jnp.minimum(jnp.maximum(x, lo), jnp.maximum(hi - 1, lo))
 
 
 def _q_head(q_ref, h, head_dim):
@@ -281,47 +128,12 @@ def _k_tile(k_ref):
 def _logits(q_h, k):
     """q_h [block_q, D] . k [block_w, D]^T in float32: one head's tile of logits, in VMEM only."""
     return jax.lax.dot_general(
-        q_h, k, _CONTRACT_LAST, precision=MATMUL_PRECISION, preferred_element_type=ACCUM_DTYPE
+        q_h,
+        k,
+        _runtime.CONTRACT_LAST,
+        precision=MATMUL_PRECISION,
+        preferred_element_type=_runtime.ACCUM_DTYPE,
     )
-
-
-def _tile_active(w_lo_ref, w_hi_ref, b, i, j):
-    """Whether tile (q block i, w block j) holds any visible entry; a skipped tile does no matmul."""
-    return (w_lo_ref[b, i] <= j) & (j < w_hi_ref[b, i])
-
-
-def _visible(kv_bounds_ref, j, block_w):
-    """[block_q, block_w] bool: query row r may see compressed block j * block_w + col."""
-    bounds = kv_bounds_ref[...]  # [block_q, 2]: kv_start, kv_end
-    cols = j * block_w + jax.lax.broadcasted_iota(jnp.int32, (bounds.shape[0], block_w), 1)
-    return (bounds[:, 0:1] <= cols) & (cols < bounds[:, 1:2])
-
-
-# Per kernel: (MXU passes per logits-sized matmul, elementwise FLOPs per head x query x block entry), from
-# codegen.cost: the backward recomputes the logits and runs its gradient matmul as two bf16 passes.
-_FLOP_MODEL = {"forward": (1, 3), "dq_dweights": (3, 5), "dk": (3, 2)}
-# Which grid axes each operand's block index follows: b batch, c head chunk, i q block, j w block.
-_OPERAND_AXES = {"q": "bci", "k": "bj", "weights": "bci", "kv_bounds": "bi", "k_scale": "bj", "tile": "bij"}
-
-
-def _cost_estimate(ops, kernel, grid_axes, grid, specs, operands):
-    """pl.CostEstimate of one pallas_call, so XLA can schedule around it: FLOPs over every tile, and HBM
-    bytes as the pipeline moves them (a block is fetched, or written back, whenever its index changes
-    from one grid step to the next). Tiles skipped under a mask are not discounted.
-
-    ``operands``: (array or ShapeDtypeStruct, name in ``specs`` and ``_OPERAND_AXES``) pairs.
-    """
-    sizes = dict(zip(grid_axes, grid))
-    moved = 0
-    for array, name in operands:
-        moving = [grid_axes.index(a) for a in _OPERAND_AXES[name] if sizes.get(a, 1) > 1]
-        fetches = math.prod(grid[: max(moving) + 1]) if moving else 1
-        block = [d for d in specs[name].block_shape if isinstance(d, int)]
-        moved += fetches * math.prod(block) * jnp.dtype(array.dtype).itemsize
-    matmul_passes, elementwise_flops = _FLOP_MODEL[kernel]
-    entries = ops.batch * ops.num_heads * ops.seq_pad * ops.blocks_pad
-    flops = entries * (2 * ops.head_dim * matmul_passes + elementwise_flops)
-    return pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=moved)
 
 
 def _contract_heads(q_ref, k, weights, head_dim):
@@ -334,170 +146,127 @@ def _contract_heads(q_ref, k, weights, head_dim):
 
 
 def _forward_kernel(
-    w_lo_ref, w_hi_ref, q_ref, k_ref, weights_ref, kv_bounds_ref, out_ref, acc_ref,
+    w_lo_ref, w_hi_ref,   # scalar prefetch
+    q_ref, k_ref, weights_ref, kv_bounds_ref,   # inputs
+    out_ref,   # outputs
+    acc_ref,   # scratch
     *, softmax_scale, head_dim,
 ):  # fmt: skip
     """One [block_q, block_w] score tile, one head chunk per step of the innermost grid axis."""
-    b, i, j, chunk = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
-    active = _tile_active(w_lo_ref, w_hi_ref, b, i, j)
-    last_chunk = chunk == pl.num_programs(3) - 1
+    b, i, j, c = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+    active = _runtime.tile_active(w_lo_ref, w_hi_ref, b, i, j)
+    first, last = _runtime.reduction_steps("bijc", "c")
 
-    @pl.when(active & (chunk == 0))
+    @pl.when(active & first)
     def _zero():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
     @pl.when(active)
     def _accumulate():
-        weights = weights_ref[...].astype(ACCUM_DTYPE)  # [block_q, HEAD_CHUNK]
+        weights = weights_ref[...].astype(_runtime.ACCUM_DTYPE)  # [block_q, HEAD_CHUNK]
         acc_ref[...] += _contract_heads(q_ref, _k_tile(k_ref), weights, head_dim)
 
-    @pl.when(active & last_chunk)
+    @pl.when(active & last)
     def _store():
-        visible = _visible(kv_bounds_ref, j, out_ref.shape[-1])
+        visible = _runtime.visible(kv_bounds_ref, j, out_ref.shape[-1])
         scores = softmax_scale * acc_ref[...]
-        out_ref[...] = jnp.where(visible, scores, MASKED_VALUE).astype(out_ref.dtype)
+        out_ref[...] = jnp.where(visible, scores, _runtime.MASKED_VALUE).astype(out_ref.dtype)
 
-    @pl.when(jnp.logical_not(active) & last_chunk)
+    @pl.when(jnp.logical_not(active) & last)
     def _store_masked():
-        out_ref[...] = jnp.full(out_ref.shape, MASKED_VALUE, out_ref.dtype)
+        out_ref[...] = jnp.full(out_ref.shape, _runtime.MASKED_VALUE, out_ref.dtype)
 
 
 def _forward(q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret):
     """The score through one pallas_call; never holds more than a [block_q, block_w] tile of logits."""
-    ops = _prepare(q, k, weights, kv_start, kv_end, k_scale)
-    num_q_blocks, num_w_blocks = ops.seq_pad // ops.block_q, ops.blocks_pad // ops.block_w
-    num_chunks = ops.num_chunks
-
-    def fetch(b, i, j, c, w_lo, w_hi):
-        lo, hi = w_lo[b, i], w_hi[b, i]
-        # A skipped tile keeps what is in VMEM: k clamped into the visible range, and the head chunk
-        # of the neighbouring active step (the first before the range, the last after it).
-        c = jnp.where((lo <= j) & (j < hi), c, jnp.where(j < lo, 0, num_chunks - 1))
-        return b, c, i, _clamp(j, lo, hi)
-
-    # Grid (batch, q block, w block, head chunk): chunks reduce into the accumulator, so that axis
-    # is sequential; tiles are independent.
-    grid = (ops.batch, num_q_blocks, num_w_blocks, num_chunks)
-    semantics = ("parallel", "parallel", "parallel", "arbitrary")
-    scratch_shapes = [pltpu.VMEM((ops.block_q, ops.block_w), ACCUM_DTYPE)]
-    here = lambda b, i, j, c, *_: (b, c, i, j)
-    specs, inputs = _block_specs(ops, fetch), _kernel_inputs(ops)
-    out_shape = jax.ShapeDtypeStruct((ops.batch, ops.seq_pad, ops.blocks_pad), OUT_DTYPE)
-    out = pl.pallas_call(
-        functools.partial(_forward_kernel, softmax_scale=softmax_scale, head_dim=ops.head_dim),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
-            grid=grid,
-            in_specs=[specs[name] for _, name in inputs],
-            out_specs=_block_specs(ops, here)["tile"],  # every tile is written, skipped or not
-            scratch_shapes=scratch_shapes,
-        ),
-        out_shape=out_shape,
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=semantics, vmem_limit_bytes=VMEM_LIMIT_BYTES["forward"]
-        ),
-        cost_estimate=_cost_estimate(ops, "forward", "bijc", grid, specs, inputs + [(out_shape, "tile")]),
+    x = prepare(q, k, weights, kv_start, kv_end, k_scale)
+    results = _runtime.kernel_call(
+        functools.partial(_forward_kernel, softmax_scale=softmax_scale, head_dim=x.head_dim),
+        x,
+        grid_axes="bijc",
+        semantics=("parallel", "parallel", "parallel", "arbitrary"),
+        # A step outside [w_lo, w_hi) of its q block does no work: j is clamped into the range and c held,
+        # so its blocks stay those of the nearest step that does and no DMA is issued.
+        skip=_runtime.Skip(axis="j", by="i", lo="w_lo", hi="w_hi", hold="c"),
+        scalar_prefetch=("w_lo", "w_hi"),
+        inputs={"q": x.q, "k": x.k, "weights": x.weights, "kv_bounds": x.kv_bounds},
+        outputs={"out": jax.ShapeDtypeStruct((x.batch, x.seq_pad, x.blocks_pad), jnp.bfloat16)},
+        scratch=[pltpu.VMEM((x.block_q, x.block_w), jnp.float32)],
+        block_specs=_block_specs,
+        follows=FOLLOWS,
+        work=WORK["forward"],
+        vmem_limit_bytes=VMEM_LIMIT_BYTES["forward"],
         interpret=interpret,
         name=f"{VARIANT['name']}_forward",
-    )(ops.w_lo, ops.w_hi, *(array for array, _ in inputs))
-    return _crop_to(out, (ops.batch, ops.seq_len, ops.num_blocks))
+    )
 
-
-# lhs [m, n] . rhs [n, p]: an ordinary matmul.
-_CONTRACT_INNER = (((1,), (0,)), ((), ()))
-
-
-def _matmul_f32(lhs, rhs):
-    """lhs [m, n] float32 . rhs [n, p] bfloat16, accurate to float32.
-
-    Rounding the float32 gradient tile to bfloat16 would cost up to 2**-8 relative per element; splitting it
-    into a bfloat16 head and tail keeps ~16 bits for the price of a second MXU pass (rhs is exact).
-    """
-    head = lhs.astype(rhs.dtype)
-    tail = (lhs - head.astype(lhs.dtype)).astype(rhs.dtype)
-    return jax.lax.dot_general(
-        head, rhs, _CONTRACT_INNER, preferred_element_type=ACCUM_DTYPE
-    ) + jax.lax.dot_general(tail, rhs, _CONTRACT_INNER, preferred_element_type=ACCUM_DTYPE)
-
-
-def _cotangent(g_ref, kv_bounds_ref, j):
-    """The cotangent tile in float32, zero on masked entries: they get no gradient, whatever it holds there."""
-    return jnp.where(_visible(kv_bounds_ref, j, g_ref.shape[-1]), g_ref[...].astype(ACCUM_DTYPE), 0.0)
-
-
-def _dlogits(logits, g, weights_h):
-    """d score / d logits of one head: g * weights_h where the logit is positive (relu' = 1[x > 0]), else 0."""
-    return jnp.where(logits > 0.0, g * weights_h, 0.0)
+    return _runtime.crop_to(results[0], (x.batch, x.seq_len, x.num_blocks))
 
 
 def _dq_dweights_kernel(
-    w_lo_ref, w_hi_ref, q_ref, k_ref, weights_ref, kv_bounds_ref, g_ref, dq_ref, dweights_ref, dq_acc, dweights_acc,
+    w_lo_ref, w_hi_ref,   # scalar prefetch
+    q_ref, k_ref, weights_ref, kv_bounds_ref, g_ref,   # inputs
+    dq_ref, dweights_ref,   # outputs
+    dq_acc_ref, dweights_acc_ref,   # scratch
     *, softmax_scale, head_dim,
 ):  # fmt: skip
     """dq and dweights of one q block and head chunk, reduced over w blocks (the innermost grid axis)."""
-    b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(3)
-    last_j = pl.num_programs(3) - 1
+    b, i, c, j = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+    first, last = _runtime.reduction_steps("bicj", "j")
 
-    @pl.when(j == 0)
+    @pl.when(first)
     def _zero():
-        dq_acc[...] = jnp.zeros_like(dq_acc)
-        dweights_acc[...] = jnp.zeros_like(dweights_acc)
+        dq_acc_ref[...] = jnp.zeros_like(dq_acc_ref)
+        dweights_acc_ref[...] = jnp.zeros_like(dweights_acc_ref)
 
-    @pl.when(_tile_active(w_lo_ref, w_hi_ref, b, i, j))
+    @pl.when(_runtime.tile_active(w_lo_ref, w_hi_ref, b, i, j))
     def _accumulate():
         k = _k_tile(k_ref)
-        g = _cotangent(g_ref, kv_bounds_ref, j)
-        weights = weights_ref[...].astype(ACCUM_DTYPE)  # [block_q, heads]
+        g = _runtime.cotangent(g_ref, kv_bounds_ref, j)
+        weights = weights_ref[...].astype(_runtime.ACCUM_DTYPE)  # [block_q, heads]
         for h in range(weights.shape[1]):
             logits = _logits(_q_head(q_ref, h, head_dim), k)
-            dweights_acc[:, h : h + 1] += jnp.sum(g * jnp.maximum(logits, 0.0), axis=1, keepdims=True)
-            dq_h = _matmul_f32(_dlogits(logits, g, weights[:, h : h + 1]), k)  # [block_q, D]
-            dq_acc[:, h * head_dim : (h + 1) * head_dim] += dq_h
+            dweights_acc_ref[:, h : h + 1] += jnp.sum(g * jnp.maximum(logits, 0.0), axis=1, keepdims=True)
+            dlogits = _runtime.dlogits(logits, g, weights[:, h : h + 1])
+            # The float32 dlogits tile meets the MXU as a bfloat16 head and tail: two passes.
+            dq_acc_ref[:, h * head_dim : (h + 1) * head_dim] += _runtime.split_matmul(dlogits, k)
 
-    @pl.when(j == last_j)
+    @pl.when(last)
     def _store():
-        dq_ref[...] = (softmax_scale * dq_acc[...]).astype(dq_ref.dtype)
-        dweights_ref[...] = (softmax_scale * dweights_acc[...]).astype(dweights_ref.dtype)
+        dq_ref[...] = (softmax_scale * dq_acc_ref[...]).astype(dq_ref.dtype)
+        dweights_ref[...] = (softmax_scale * dweights_acc_ref[...]).astype(dweights_ref.dtype)
 
 
 def _dk_kernel(
-    w_lo_ref, w_hi_ref, q_lo_ref, q_hi_ref, q_ref, k_ref, weights_ref, kv_bounds_ref, g_ref,
-    dk_ref, dk_acc,
+    w_lo_ref, w_hi_ref, q_lo_ref, q_hi_ref,   # scalar prefetch
+    q_ref, k_ref, weights_ref, kv_bounds_ref, g_ref,   # inputs
+    dk_ref,   # outputs
+    dk_acc_ref,   # scratch
     *, softmax_scale, head_dim,
 ):  # fmt: skip
     """dk of one w block, reduced over q blocks and head chunks (the innermost grid axes)."""
     del q_lo_ref, q_hi_ref  # used by the index maps only
-    b, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    first = (i == 0) & (pl.program_id(3) == 0)
-    last = (i == pl.num_programs(2) - 1) & (pl.program_id(3) == pl.num_programs(3) - 1)
+    b, j, i, c = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+    first, last = _runtime.reduction_steps("bjic", "ic")
 
     @pl.when(first)
     def _zero():
-        dk_acc[...] = jnp.zeros_like(dk_acc)
+        dk_acc_ref[...] = jnp.zeros_like(dk_acc_ref)
 
-    @pl.when(_tile_active(w_lo_ref, w_hi_ref, b, i, j))
+    @pl.when(_runtime.tile_active(w_lo_ref, w_hi_ref, b, i, j))
     def _accumulate():
         k = _k_tile(k_ref)
-        g = _cotangent(g_ref, kv_bounds_ref, j)
-        weights = weights_ref[...].astype(ACCUM_DTYPE)  # [block_q, heads]
+        g = _runtime.cotangent(g_ref, kv_bounds_ref, j)
+        weights = weights_ref[...].astype(_runtime.ACCUM_DTYPE)  # [block_q, heads]
         for h in range(weights.shape[1]):
             q_h = _q_head(q_ref, h, head_dim)
             logits = _logits(q_h, k)
-            dlogits = _dlogits(logits, g, weights[:, h : h + 1])
-            dk_acc[...] += _matmul_f32(dlogits.T, q_h)  # [block_w, D]
+            dlogits = _runtime.dlogits(logits, g, weights[:, h : h + 1])
+            dk_acc_ref[...] += _runtime.split_matmul(dlogits.T, q_h)
 
     @pl.when(last)
     def _store():
-        dk_ref[...] = (softmax_scale * dk_acc[...]).astype(dk_ref.dtype)
-
-
-def _unprepare_grads(ops, dq, dk, dweights):
-    """Gradients of the kernel-ready operands back to the caller's layouts, padding sliced off."""
-    dq = dq.reshape(ops.batch, ops.seq_pad, ops.num_heads, ops.head_dim)
-    dq = _crop_to(dq, (ops.batch, ops.seq_len, ops.num_heads, ops.head_dim))
-    dweights = dweights.transpose(0, 2, 1, 3).reshape(ops.batch, ops.seq_pad, ops.num_heads)
-    dweights = _crop_to(dweights, (ops.batch, ops.seq_len, ops.num_heads))
-    return dq, _crop_to(dk, (ops.batch, ops.num_blocks, ops.head_dim)), dweights
+        dk_ref[...] = (softmax_scale * dk_acc_ref[...]).astype(dk_ref.dtype)
 
 
 def _backward(softmax_scale, interpret, residuals, g):
@@ -507,81 +276,61 @@ def _backward(softmax_scale, interpret, residuals, g):
     Tiles no query may see are skipped, as in the forward.
     """
     q, k, weights, kv_start, kv_end, k_scale = residuals
-    ops = _prepare(q, k, weights, kv_start, kv_end, k_scale)
-    num_q_blocks, num_w_blocks = ops.seq_pad // ops.block_q, ops.blocks_pad // ops.block_w
-    g = _pad_to(_pad_to(g, 1, ops.seq_pad), 2, ops.blocks_pad)  # padding is masked: its cotangent is unused
-    inputs = _kernel_inputs(ops, g)
-    arrays = [array for array, _ in inputs]
-    num_chunks = ops.num_chunks
-
-    def fetch_dq(b, i, c, j, w_lo, w_hi):
-        return b, c, i, _clamp(j, w_lo[b, i], w_hi[b, i])  # a skipped tile re-uses the k and g in VMEM
-
-    # Grid (batch, q block, head chunk, w block): each (q block, chunk) owns its dq and dweights
-    # block, reduced over w blocks.
-    grid = (ops.batch, num_q_blocks, num_chunks, num_w_blocks)
-    semantics = ("parallel", "parallel", "parallel", "arbitrary")
-    specs = _block_specs(ops, fetch_dq)
-    # dq and dweights blocks follow (q block, chunk) only, like q's and weights'.
-    outputs = [
-        (jax.ShapeDtypeStruct(ops.q.shape, GRAD_QK_DTYPE), "q"),
-        (jax.ShapeDtypeStruct(ops.weights.shape, weights.dtype), "weights"),
-    ]
-    dq, dweights = pl.pallas_call(
-        functools.partial(_dq_dweights_kernel, softmax_scale=softmax_scale, head_dim=ops.head_dim),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
-            grid=grid,
-            in_specs=[specs[name] for _, name in inputs],
-            out_specs=[specs[name] for _, name in outputs],
-            scratch_shapes=[
-                pltpu.VMEM((ops.block_q, (HEAD_CHUNK or ops.num_heads) * ops.head_dim), ACCUM_DTYPE),
-                pltpu.VMEM((ops.block_q, HEAD_CHUNK or ops.num_heads), ACCUM_DTYPE),
-            ],
-        ),
-        out_shape=[shape for shape, _ in outputs],
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=semantics, vmem_limit_bytes=VMEM_LIMIT_BYTES["dq_dweights"]
-        ),
-        cost_estimate=_cost_estimate(ops, "dq_dweights", "bicj", grid, specs, inputs + outputs),
+    x = prepare(q, k, weights, kv_start, kv_end, k_scale)
+    # Padding is masked: its cotangent is never read.
+    g = _runtime.pad_to(_runtime.pad_to(g, 1, x.seq_pad), 2, x.blocks_pad)
+    results = _runtime.kernel_call(
+        functools.partial(_dq_dweights_kernel, softmax_scale=softmax_scale, head_dim=x.head_dim),
+        x,
+        grid_axes="bicj",
+        semantics=("parallel", "parallel", "parallel", "arbitrary"),
+        # A step outside [w_lo, w_hi) of its q block does no work: j is clamped into the range,
+        # so its blocks stay those of the nearest step that does and no DMA is issued.
+        skip=_runtime.Skip(axis="j", by="i", lo="w_lo", hi="w_hi", hold=""),
+        scalar_prefetch=("w_lo", "w_hi"),
+        inputs={"q": x.q, "k": x.k, "weights": x.weights, "kv_bounds": x.kv_bounds, "g": g},
+        outputs={
+            "dq": jax.ShapeDtypeStruct(x.q.shape, jnp.bfloat16),
+            "dweights": jax.ShapeDtypeStruct(x.weights.shape, jnp.bfloat16),
+        },
+        scratch=[
+            pltpu.VMEM((x.block_q, x.heads * x.head_dim), jnp.float32),
+            pltpu.VMEM((x.block_q, x.heads), jnp.float32),
+        ],
+        block_specs=_block_specs,
+        follows=FOLLOWS,
+        work=WORK["dq_dweights"],
+        vmem_limit_bytes=VMEM_LIMIT_BYTES["dq_dweights"],
         interpret=interpret,
         name=f"{VARIANT['name']}_dq_dweights",
-    )(ops.w_lo, ops.w_hi, *arrays)
+    )
 
-    def fetch_dk(b, j, i, c, w_lo, w_hi, q_lo, q_hi):
-        lo, hi = q_lo[b, j], q_hi[b, j]
-        # Outside the w block's q range, keep what is in VMEM: q clamped into the range, and the head
-        # chunk of the neighbouring step that does work (the first before the range, the last after).
-        c = jnp.where((lo <= i) & (i < hi), c, jnp.where(i < lo, 0, num_chunks - 1))
-        return b, c, _clamp(i, lo, hi), j
-
-    # Grid (batch, w block, q block, head chunk): each w block owns its dk block, reduced over q
-    # blocks and head chunks.
-    grid = (ops.batch, num_w_blocks, num_q_blocks, num_chunks)
-    semantics = ("parallel", "parallel", "arbitrary", "arbitrary")
-    specs = _block_specs(ops, fetch_dk)
-    # dk blocks follow the w block only, like k's.
-    outputs = [(jax.ShapeDtypeStruct(ops.k.shape, GRAD_QK_DTYPE), "k")]
-    (dk,) = pl.pallas_call(
-        functools.partial(_dk_kernel, softmax_scale=softmax_scale, head_dim=ops.head_dim),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
-            grid=grid,
-            in_specs=[specs[name] for _, name in inputs],
-            out_specs=[specs[name] for _, name in outputs],
-            scratch_shapes=[
-                pltpu.VMEM((ops.block_w, ops.head_dim), ACCUM_DTYPE),
-            ],
-        ),
-        out_shape=[shape for shape, _ in outputs],
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=semantics, vmem_limit_bytes=VMEM_LIMIT_BYTES["dk"]
-        ),
-        cost_estimate=_cost_estimate(ops, "dk", "bjic", grid, specs, inputs + outputs),
+    dq, dweights = results
+    dq = dq.reshape(x.batch, x.seq_pad, x.num_heads, x.head_dim)
+    dq = _runtime.crop_to(dq, (x.batch, x.seq_len, x.num_heads, x.head_dim))
+    dweights = dweights.transpose(0, 2, 1, 3).reshape(x.batch, x.seq_pad, x.num_heads)
+    dweights = _runtime.crop_to(dweights, (x.batch, x.seq_len, x.num_heads))
+    results = _runtime.kernel_call(
+        functools.partial(_dk_kernel, softmax_scale=softmax_scale, head_dim=x.head_dim),
+        x,
+        grid_axes="bjic",
+        semantics=("parallel", "parallel", "arbitrary", "arbitrary"),
+        # A step outside [q_lo, q_hi) of its w block does no work: i is clamped into the range and c held,
+        # so its blocks stay those of the nearest step that does and no DMA is issued.
+        skip=_runtime.Skip(axis="i", by="j", lo="q_lo", hi="q_hi", hold="c"),
+        scalar_prefetch=("w_lo", "w_hi", "q_lo", "q_hi"),
+        inputs={"q": x.q, "k": x.k, "weights": x.weights, "kv_bounds": x.kv_bounds, "g": g},
+        outputs={"dk": jax.ShapeDtypeStruct(x.k.shape, jnp.bfloat16)},
+        scratch=[pltpu.VMEM((x.block_w, x.head_dim), jnp.float32)],
+        block_specs=_block_specs,
+        follows=FOLLOWS,
+        work=WORK["dk"],
+        vmem_limit_bytes=VMEM_LIMIT_BYTES["dk"],
         interpret=interpret,
         name=f"{VARIANT['name']}_dk",
-    )(ops.w_lo, ops.w_hi, ops.q_lo, ops.q_hi, *arrays)
-    dq, dk, dweights = _unprepare_grads(ops, dq, dk, dweights)
+    )
+
+    dk = _runtime.crop_to(results[0], (x.batch, x.num_blocks, x.head_dim))
     return dq, dk, dweights, None, None, None
 
 
@@ -607,7 +356,7 @@ def score(q, k, weights, *, kv_start=None, kv_end=None, k_scale=None, softmax_sc
       k: bfloat16 [B, W, D] compressed keys.
       weights: bfloat16 [B, S, H] per-head weights.
       kv_start, kv_end: integer [B, S]; query (b, s) sees block w iff kv_start <= w < kv_end. Every
-        other entry is float("-inf") and gets no gradient. None: from block 0 / up to block W.
+        other entry is -inf and gets no gradient. None: from block 0 / up to block W.
         Tiles no query of theirs may see do no work, forward and backward.
       k_scale: must be None: only float8 variants store keys with a scale.
       softmax_scale: positive scale; None means head_dim ** -0.5.
@@ -616,13 +365,13 @@ def score(q, k, weights, *, kv_start=None, kv_end=None, k_scale=None, softmax_sc
     Any S >= 1 and W >= 1 work; ragged sizes are padded to the tiling and sliced back.
     Gradients: dq and dk come back as bfloat16, dweights as bfloat16.
     """
-    _check_inputs(q, k, weights)
-    batch, _, seq_len, _ = _q_dims(q)
-    kv_start = _check_kv_bound("kv_start", kv_start, (batch, seq_len), 0)
-    kv_end = _check_kv_bound("kv_end", kv_end, (batch, seq_len), k.shape[1])
-    k_scale = _check_k_scale(k_scale, k.shape[:2])
+    _runtime.check_inputs(q, k, weights, VARIANT)
+    batch, _, seq_len, _ = _runtime.q_dims(q, VARIANT["q_layout"])
+    kv_start = _runtime.check_kv_bound("kv_start", kv_start, (batch, seq_len), 0)
+    kv_end = _runtime.check_kv_bound("kv_end", kv_end, (batch, seq_len), k.shape[1])
+    k_scale = _runtime.check_k_scale(k_scale, k.shape[:2], VARIANT)
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
-    softmax_scale = _check_scale(softmax_scale)
+    softmax_scale = _runtime.check_scale(softmax_scale)
     with jax.named_scope(VARIANT["name"]):
         return _score(q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret)

@@ -1,0 +1,269 @@
+"""The kernel plan: every pallas_call of a variant, stated once.
+
+Per kernel: the grid axes in order with their semantics, each operand's block (shape, and which
+grid axes its block index follows), VMEM scratch, the scalar-prefetch operands, how a skipped step
+holds its blocks still, and the work model. The templates render grids, semantics, index maps and
+kernel signatures from it; ``cost`` counts bytes and FLOPs from it; ``budget`` sizes VMEM from it;
+``explain``, the benchmarks and the tests read it. Nothing else describes a kernel's geometry.
+
+Grid axes are single letters: ``b`` batch, ``i`` q block, ``j`` w block, ``c`` head chunk. Block
+dimensions are symbols resolved per call (``block_q``, ``block_w``, ``head_dim``, ``heads``: heads
+per grid step, ``heads_x_dim``: their lanes in a sequence-major q row), integers, or None (a
+squeezed dimension).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from codegen import tiles
+from codegen.spec import FP8
+from codegen.variants import Variant
+
+PARALLEL, ARBITRARY = "parallel", "arbitrary"
+AXES = "bcij"  # every block index is written over these: batch, head chunk, q block, w block
+Dim = str | int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class GridAxis:
+    name: str  # one of AXES
+    semantics: str  # PARALLEL, or ARBITRARY for an axis the kernel reduces over
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """One operand's VMEM block, the same in every kernel that has the operand."""
+
+    name: str
+    shape: tuple[Dim, ...]
+    index: tuple[str | int, ...]  # per array dimension: the grid axis it follows, or a fixed block 0
+    dtype: str
+
+    @property
+    def follows(self) -> str:
+        """The grid axes this block's index moves with."""
+        return "".join(d for d in self.index if isinstance(d, str))
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    """A single-buffered VMEM array: a scratch accumulator, or an in-flight value of the kernel body."""
+
+    name: str
+    shape: tuple[Dim, ...]
+    dtype: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Skip:
+    """How a step that no query may see does nothing: ``axis`` is clamped into ``[lo, hi)``, two
+    scalar-prefetch arrays indexed by (batch, ``by``), so the blocks that follow it name a block
+    already in VMEM; the ``hold`` axes (inner to ``axis``) keep the value of the neighbouring step
+    that does work, for the same reason."""
+
+    axis: str
+    by: str
+    lo: str
+    hi: str
+    hold: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """Per (head, query, compressed block) entry of the padded problem: logits-sized MXU matmuls
+    (2 * head_dim FLOPs each) and elementwise (VPU) operations."""
+
+    mxu_passes: int
+    vpu_ops: int
+    useful_passes: int  # the matmuls the math needs; the rest split a float32 operand for accuracy
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    name: str  # "forward" | "dq_dweights" | "dk"
+    grid: tuple[GridAxis, ...]
+    scalar_prefetch: tuple[str, ...]
+    inputs: tuple[Block, ...]
+    outputs: tuple[Block, ...]
+    scratch: tuple[Buffer, ...]  # the pallas_call's scratch_shapes
+    temporaries: tuple[Buffer, ...]  # values the body holds at once besides scratch (VMEM budget only)
+    skip: Skip
+    work: Work
+    vmem_limit_bytes: int | None = None  # set by the budget: None where the default scope suffices
+
+    @property
+    def axes(self) -> str:
+        return "".join(a.name for a in self.grid)
+
+    @property
+    def semantics(self) -> tuple[str, ...]:
+        return tuple(a.semantics for a in self.grid)
+
+    @property
+    def reduced(self) -> str:
+        """Axes the kernel accumulates over: it zeroes at their first step and stores at their last."""
+        return "".join(a.name for a in self.grid if a.semantics == ARBITRARY)
+
+    @property
+    def blocks(self) -> tuple[Block, ...]:
+        return self.inputs + self.outputs
+
+    def skipped_operands(self) -> tuple[str, ...]:
+        """Operands whose block holds still on a skipped step: those following the skipped or held axes.
+        The forward's output is written at every step, skipped or not."""
+        still = {self.skip.axis, *self.skip.hold}
+        return tuple(b.name for b in self.inputs if still & set(b.follows))
+
+
+@dataclasses.dataclass(frozen=True)
+class VariantPlan:
+    variant: Variant
+    block_q: int
+    block_w: int
+    head_chunk: int  # 0: all heads in one grid step
+    sublanes: int  # row granule of a shrunk q block: the narrowest dtype of q, weights and output
+    mxu_itemsize: int  # the type the MXU multiplies in: 4 only for float32 at highest precision
+    kernels: tuple[KernelPlan, ...]
+
+    @property
+    def name(self) -> str:
+        return self.variant.name
+
+    def kernel(self, name: str) -> KernelPlan:
+        return next(k for k in self.kernels if k.name == name)
+
+    @property
+    def blocks(self) -> dict[str, Block]:
+        """Every operand's block, over all kernels (an operand's block is the same in each)."""
+        return {b.name: b for k in self.kernels for b in k.blocks}
+
+
+def _blocks(variant: Variant) -> dict[str, Block]:
+    policy = variant.policy
+    chunked = variant.head_chunk > 0
+    if variant.head_major:
+        q = Block("q", (None, "heads", "block_q", "head_dim"), ("b", "c", "i", 0), policy.qk)
+    else:  # [B, S, H * D]: a head chunk is a group of lanes
+        q = Block("q", (None, "block_q", "heads_x_dim"), ("b", "i", "c"), policy.qk)
+    if chunked:  # [B, H // chunk, S, chunk]: one full-width block per chunk
+        weights = Block("weights", (None, None, "block_q", "heads"), ("b", "c", "i", 0), policy.weights)
+    else:
+        weights = Block("weights", (None, "block_q", "heads"), ("b", "i", 0), policy.weights)
+    k = Block("k", (None, "block_w", "head_dim"), ("b", "j", 0), policy.qk)
+    k_scale = Block("k_scale", (None, 1, "block_w"), ("b", 0, "j"), "float32")
+    tile = (None, "block_q", "block_w"), ("b", "i", "j")
+    return {
+        "q": q,
+        "k": k,
+        "weights": weights,
+        "kv_bounds": Block("kv_bounds", (None, "block_q", 2), ("b", "i", 0), "int32"),
+        "k_scale": k_scale,
+        "out": Block("out", *tile, policy.out),
+        "g": Block("g", *tile, policy.out),
+        "dq": dataclasses.replace(q, name="dq", dtype=policy.qk_grad_dtype),
+        "dweights": dataclasses.replace(weights, name="dweights"),
+        "dk": dataclasses.replace(k, name="dk", dtype=policy.qk_grad_dtype),
+        "dk_scale": dataclasses.replace(k_scale, name="dk_scale"),
+    }
+
+
+def _grid(chunked: bool, *axes: tuple[str, str]) -> tuple[GridAxis, ...]:
+    return tuple(GridAxis(name, semantics) for name, semantics in axes if chunked or name != "c")
+
+
+def _skip(grid: tuple[GridAxis, ...], axis: str, by: str, lo: str, hi: str) -> Skip:
+    names = "".join(a.name for a in grid)
+    hold = tuple(a for a in "c" if a in names and names.index(a) > names.index(axis))
+    return Skip(axis, by, lo, hi, hold)
+
+
+F32 = "float32"
+
+
+def build(variant: Variant) -> VariantPlan:
+    """The plan of every pallas_call the variant renders (the VMEM limits are the budget's to set)."""
+    policy = variant.policy
+    chunked = variant.head_chunk > 0
+    blocks = _blocks(variant)
+    scaled = policy.k_scale
+    tile = Buffer("tile", ("block_q", "block_w"), F32)
+    # float8 q/k are upcast to bfloat16 in VMEM for the MXU: one q head and the k tile at a time.
+    upcast = (
+        (Buffer("q_head", ("block_q", "head_dim"), "bfloat16"), Buffer("k_tile", ("block_w", "head_dim"), "bfloat16"))
+        if policy.qk == FP8
+        else ()
+    )
+    # The gradient matmul splits a float32 tile into a head and a tail of the MXU type (two passes)
+    # unless q/k are float32.
+    grad_passes = 1 if policy.qk == F32 else 2
+    inputs = tuple(blocks[n] for n in ("q", "k", "weights", "kv_bounds", "k_scale") if n != "k_scale" or scaled)
+
+    forward_grid = _grid(chunked, ("b", PARALLEL), ("i", PARALLEL), ("j", PARALLEL), ("c", ARBITRARY))
+    kernels = [
+        KernelPlan(
+            name="forward",
+            grid=forward_grid,
+            scalar_prefetch=("w_lo", "w_hi"),
+            inputs=inputs,
+            outputs=(blocks["out"],),
+            scratch=(Buffer("acc", ("block_q", "block_w"), F32),) if chunked else (),
+            temporaries=(tile, tile) + upcast,  # one head's logits and its weighted relu
+            skip=_skip(forward_grid, "j", "i", "w_lo", "w_hi"),
+            work=Work(mxu_passes=1, vpu_ops=3, useful_passes=1),  # relu, weight multiply, head sum
+        )
+    ]
+    if variant.backward == "fused":
+        dq_grid = _grid(chunked, ("b", PARALLEL), ("i", PARALLEL), ("c", PARALLEL), ("j", ARBITRARY))
+        q_block = blocks["q"].shape[1:]
+        kernels.append(
+            KernelPlan(
+                name="dq_dweights",
+                grid=dq_grid,
+                scalar_prefetch=("w_lo", "w_hi"),
+                inputs=inputs + (blocks["g"],),
+                outputs=(blocks["dq"], blocks["dweights"]),
+                scratch=(Buffer("dq_acc", q_block, F32), Buffer("dweights_acc", ("block_q", "heads"), F32)),
+                temporaries=(tile, tile, tile) + upcast,  # logits, the cotangent in float32, dlogits
+                skip=_skip(dq_grid, "j", "i", "w_lo", "w_hi"),
+                # relu, g * relu and its row sum (dweights); g * weight and the relu' select (dlogits)
+                work=Work(mxu_passes=1 + grad_passes, vpu_ops=5, useful_passes=2),
+            )
+        )
+        dk_grid = _grid(chunked, ("b", PARALLEL), ("j", PARALLEL), ("i", ARBITRARY), ("c", ARBITRARY))
+        dk_scratch = (Buffer("dk_acc", ("block_w", "head_dim"), F32),)
+        # logits, the cotangent, dlogits and dlogits transposed for the dk matmul
+        dk_temporaries = (tile, tile, tile, Buffer("dlogits_t", ("block_w", "block_q"), F32)) + upcast
+        if scaled:
+            dk_scratch += (Buffer("dk_scale_acc", (1, "block_w"), F32),)
+            dk_temporaries += (tile,)  # the running weighted relu sum, for dk_scale
+        kernels.append(
+            KernelPlan(
+                name="dk",
+                grid=dk_grid,
+                scalar_prefetch=("w_lo", "w_hi", "q_lo", "q_hi"),
+                inputs=inputs + (blocks["g"],),
+                outputs=(blocks["dk"],) + ((blocks["dk_scale"],) if scaled else ()),
+                scratch=dk_scratch,
+                temporaries=dk_temporaries,
+                skip=_skip(dk_grid, "i", "j", "q_lo", "q_hi"),
+                # the dlogits select and multiply; with a key scale, relu, weight multiply and head sum again
+                work=Work(mxu_passes=1 + grad_passes, vpu_ops=2 + 3 * scaled, useful_passes=2),
+            )
+        )
+    narrowest = min((policy.qk, policy.weights, policy.out), key=tiles.itemsize)
+    mxu_itemsize = 4 if policy.qk == F32 and policy.precision == "highest" else 2
+    return VariantPlan(
+        variant=variant,
+        block_q=variant.block_q,
+        block_w=variant.block_w,
+        head_chunk=variant.head_chunk,
+        sublanes=tiles.sublanes(narrowest),
+        mxu_itemsize=mxu_itemsize,
+        kernels=tuple(kernels),
+    )
+
+
+def with_vmem_limits(plan: VariantPlan, limits: dict[str, int | None]) -> VariantPlan:
+    kernels = tuple(dataclasses.replace(k, vmem_limit_bytes=limits[k.name]) for k in plan.kernels)
+    return dataclasses.replace(plan, kernels=kernels)

@@ -1,0 +1,1 @@
+"""The Jinja2 templates codegen renders, shipped as package data (``codegen.templates``)."""
