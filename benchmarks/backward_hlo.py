@@ -1,6 +1,6 @@
-"""How much [S, W]-sized work does ``jax.grad`` of the score do outside the Pallas kernels?
+"""How much [S, W]-sized work does a training step (``jax.value_and_grad``) of the score do outside the kernels?
 
-Lowers ``jax.grad`` of ``sum(score(q, k, weights) * cotangent)`` for the TPU at the DeepSeek-V4
+Lowers ``jax.value_and_grad`` of ``sum(score(q, k, weights) * cotangent)`` for the TPU at the DeepSeek-V4
 production shape (no TPU needed: the Mosaic lowering runs on the CPU) and walks the StableHLO:
 every operation outside the Pallas calls whose result has at least S*W elements is listed, its
 count multiplied by the trip count of each loop around it; and the largest array the program
@@ -41,7 +41,10 @@ def lower_grad(module, shape):
     def loss(q, k, weights, cotangent):
         return jnp.sum((module.score(q, k, weights) * cotangent).astype(jnp.float32))
 
-    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*args).lower(lowering_platforms=("tpu",))
+    # value_and_grad, as a training step takes it: the loss needs the forward, so every JAX release
+    # keeps the forward kernel in the program (a bare grad lets newer releases drop it).
+    step = jax.value_and_grad(loss, argnums=(0, 1, 2))
+    lowered = jax.jit(step).trace(*args).lower(lowering_platforms=("tpu",))
     return lowered.compiler_ir("stablehlo")
 
 
@@ -52,7 +55,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     shape = tuple(int(x) for x in args.shape.split(","))
     threshold = shape[2] * shape[4]
-    print(f"jax.grad of sum(score * cotangent), lowered for TPU at B,H,S,D,W = {shape}; S*W = {threshold:,}")
+    print(f"jax.value_and_grad of sum(score * cotangent), lowered for TPU at B,H,S,D,W = {shape}; S*W = {threshold:,}")
     for name in args.variant or DEFAULT_VARIANTS:
         module = VARIANTS[name]
         report = analyse(lower_grad(module, shape), threshold, name)

@@ -126,6 +126,8 @@ def _explain(args: argparse.Namespace) -> int:
         raise UsageError(str(err)) from None
     chosen = [_find(family, args.variant)] if args.variant else family.plans
     chosen = [p for p in chosen if p.variant.backend == chip.backend]
+    if args.tiling:
+        chosen = [p for p in chosen if p.variant.tiling == args.tiling]
     if not chosen:
         raise UsageError(f"no {chip.backend} variant to explain on {chip.name}")
     for p in chosen:
@@ -196,6 +198,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--causal", action="store_true", help="discount the tiles causal CSA masking skips")
     p.add_argument("--chip", default="v6e", help=f"one of {', '.join(chips.CHIPS)} (default v6e)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--tiling", metavar="NAME", help="only the variants of this spec tiling (e.g. prod)")
     p.add_argument("--no-blocks", action="store_true", help="leave out the per-kernel block shapes")
     p.set_defaults(run=_explain)
     return top

@@ -1,0 +1,57 @@
+"""Keeps the README's tables the output of the commands that make them.
+
+Each table in README.md follows a marker line ``<!-- output of: COMMAND -->`` and is the fenced block
+right after it. ``python benchmarks/readme_tables.py`` reruns every COMMAND from the repository root
+and rewrites its block; ``--check`` writes nothing and exits 1 with a diff when any block has drifted
+(the test suite runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+_TABLE = re.compile(r"(<!-- output of: (?P<command>.+?) -->\n```text\n)(?P<body>.*?)(```)", re.DOTALL)
+
+
+def run(command: str) -> str:
+    """A marker's command, run as a user would (``codegen`` and ``python`` in this interpreter)."""
+    argv = shlex.split(command)
+    argv = {"codegen": [sys.executable, "-m", "codegen.cli"], "python": [sys.executable]}.get(argv[0], argv[:1]) + argv[1:]
+    result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=True)
+    return result.stdout
+
+
+def rendered(text: str) -> str:
+    """README text with every marked block replaced by its command's output."""
+    return _TABLE.sub(lambda m: m.group(1) + run(m.group("command")) + m.group(4), text)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 with a diff on drift")
+    args = parser.parse_args(argv)
+    text = README.read_text()
+    if not _TABLE.search(text):
+        print(f"{README}: no marked tables", file=sys.stderr)
+        return 1
+    new = rendered(text)
+    if args.check:
+        diff = "".join(difflib.unified_diff(text.splitlines(True), new.splitlines(True), "README.md", "rendered"))
+        sys.stdout.write(diff)
+        if diff:
+            print("README tables are out of date; fix with: python benchmarks/readme_tables.py", file=sys.stderr)
+        return 1 if diff else 0
+    README.write_text(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
