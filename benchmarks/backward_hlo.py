@@ -55,7 +55,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     shape = tuple(int(x) for x in args.shape.split(","))
     threshold = shape[2] * shape[4]
-    print(f"jax.value_and_grad of sum(score * cotangent), lowered for TPU at B,H,S,D,W = {shape}; S*W = {threshold:,}")
+    print(
+        f"jax.value_and_grad of sum(score * cotangent), lowered for TPU at B,H,S,D,W = {shape}; S*W = {threshold:,}"
+    )
     for name in args.variant or DEFAULT_VARIANTS:
         module = VARIANTS[name]
         report = analyse(lower_grad(module, shape), threshold, name)

@@ -24,7 +24,9 @@ _TABLE = re.compile(r"(<!-- output of: (?P<command>.+?) -->\n```text\n)(?P<body>
 def run(command: str) -> str:
     """A marker's command, run as a user would (``codegen`` and ``python`` in this interpreter)."""
     argv = shlex.split(command)
-    argv = {"codegen": [sys.executable, "-m", "codegen.cli"], "python": [sys.executable]}.get(argv[0], argv[:1]) + argv[1:]
+    argv = {"codegen": [sys.executable, "-m", "codegen.cli"], "python": [sys.executable]}.get(
+        argv[0], argv[:1]
+    ) + argv[1:]
     result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=True)
     return result.stdout
 
@@ -44,10 +46,14 @@ def main(argv=None) -> int:
         return 1
     new = rendered(text)
     if args.check:
-        diff = "".join(difflib.unified_diff(text.splitlines(True), new.splitlines(True), "README.md", "rendered"))
+        diff = "".join(
+            difflib.unified_diff(text.splitlines(True), new.splitlines(True), "README.md", "rendered")
+        )
         sys.stdout.write(diff)
         if diff:
-            print("README tables are out of date; fix with: python benchmarks/readme_tables.py", file=sys.stderr)
+            print(
+                "README tables are out of date; fix with: python benchmarks/readme_tables.py", file=sys.stderr
+            )
         return 1 if diff else 0
     README.write_text(new)
     return 0

@@ -50,7 +50,9 @@ def apply(spec: FamilySpec, p: plan.VariantPlan) -> tuple[plan.VariantPlan, list
                 )
             )
     late = [chip.name for chip in chosen if chip.name in PACKED_ROW_CHIPS]
-    for dtype in dict.fromkeys((variant.policy.qk, variant.policy.weights, variant.policy.out)):  # stable order
+    for dtype in dict.fromkeys(
+        (variant.policy.qk, variant.policy.weights, variant.policy.out)
+    ):  # stable order
         rows = tiles.sublanes(dtype)
         if rows > tiles.MIN_SUBLANES and late and variant.block_q % rows:
             warnings.append(

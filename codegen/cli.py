@@ -132,7 +132,9 @@ def _explain(args: argparse.Namespace) -> int:
         raise UsageError(f"no {chip.backend} variant to explain on {chip.name}")
     for p in chosen:
         if p.head_chunk and args.shape[1] % p.head_chunk:
-            raise UsageError(f"H = {args.shape[1]} is not a multiple of head_chunk {p.head_chunk} of {p.name}")
+            raise UsageError(
+                f"H = {args.shape[1]} is not a multiple of head_chunk {p.head_chunk} of {p.name}"
+            )
     rate = family.spec.computation.compress_rate
     rows = [row for p in chosen for row in explain.explain(p, args.shape, chip, rate, args.causal)]
     if args.json:

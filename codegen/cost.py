@@ -70,7 +70,9 @@ def tiling(plan: VariantPlan, shape: tuple[int, int, int, int, int]) -> Tiling:
         raise ValueError(f"head_chunk {heads} does not divide num_heads {p.num_heads}")
     block_q = min(plan.block_q, tiles.round_up(p.seq_len, plan.sublanes))
     block_w = min(plan.block_w, tiles.round_up(p.num_blocks, tiles.LANES))
-    return Tiling(p, block_q, block_w, heads, tiles.round_up(p.seq_len, block_q), tiles.round_up(p.num_blocks, block_w))
+    return Tiling(
+        p, block_q, block_w, heads, tiles.round_up(p.seq_len, block_q), tiles.round_up(p.num_blocks, block_w)
+    )
 
 
 def padded_bytes(shape: tuple[int, ...], nbytes: int) -> int:
@@ -209,4 +211,3 @@ def vmem_footprints(plan: VariantPlan, num_heads: int, head_dim: int) -> dict[st
     for validating a spec before any problem shape is known."""
     shape = (1, num_heads, plan.block_q, head_dim, plan.block_w)
     return {cost.kernel: cost.vmem_bytes for cost in variant_costs(plan, shape)}
-

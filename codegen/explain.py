@@ -99,5 +99,8 @@ def table(rows: list[Row], chip: chips.Chip, shape, causal: bool, blocks: bool =
     out += ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]
     if blocks:
         out.append("blocks:")
-        out += [f"  {r.variant} {r.kernel}: " + ", ".join(f"{n} {list(s)}" for n, s in r.blocks.items()) for r in rows]
+        out += [
+            f"  {r.variant} {r.kernel}: " + ", ".join(f"{n} {list(s)}" for n, s in r.blocks.items())
+            for r in rows
+        ]
     return "\n".join(out)

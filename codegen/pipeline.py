@@ -14,6 +14,7 @@ from codegen import budget, load, plan, validate, variants
 from codegen.errors import Problem, SpecError
 from codegen.spec import FamilySpec
 
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     spec: FamilySpec

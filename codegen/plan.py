@@ -190,14 +190,19 @@ def build(variant: Variant) -> VariantPlan:
     tile = Buffer("tile", ("block_q", "block_w"), F32)
     # float8 q/k are upcast to bfloat16 in VMEM for the MXU: one q head and the k tile at a time.
     upcast = (
-        (Buffer("q_head", ("block_q", "head_dim"), "bfloat16"), Buffer("k_tile", ("block_w", "head_dim"), "bfloat16"))
+        (
+            Buffer("q_head", ("block_q", "head_dim"), "bfloat16"),
+            Buffer("k_tile", ("block_w", "head_dim"), "bfloat16"),
+        )
         if policy.qk == FP8
         else ()
     )
     # The gradient matmul splits a float32 tile into a head and a tail of the MXU type (two passes)
     # unless q/k are float32.
     grad_passes = 1 if policy.qk == F32 else 2
-    inputs = tuple(blocks[n] for n in ("q", "k", "weights", "kv_bounds", "k_scale") if n != "k_scale" or scaled)
+    inputs = tuple(
+        blocks[n] for n in ("q", "k", "weights", "kv_bounds", "k_scale") if n != "k_scale" or scaled
+    )
 
     forward_grid = _grid(chunked, ("b", PARALLEL), ("i", PARALLEL), ("j", PARALLEL), ("c", ARBITRARY))
     kernels = [

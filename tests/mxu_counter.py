@@ -68,7 +68,9 @@ def _measure(name: str, shape: tuple[int, ...], causal: bool) -> dict[str, int]:
         kv_start, kv_end = causal_kv_range(jnp.broadcast_to(jnp.arange(seq_len), (batch, seq_len)))
     else:
         kv_start, kv_end = None, None
-    score = lambda q, k, weights: support.call(module, q, k, weights, kv_start=kv_start, kv_end=kv_end, interpret=True)
+    score = lambda q, k, weights: support.call(
+        module, q, k, weights, kv_start=kv_start, kv_end=kv_end, interpret=True
+    )
 
     def loss(q, k, weights):
         out = score(q, k, weights).astype(jnp.float32)

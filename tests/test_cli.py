@@ -119,7 +119,9 @@ def test_diff_of_two_tilings_is_constants_only(capsys):
     a, b = "tpu_hm_bf16_q128_w1024_hc16", "tpu_hm_bf16_q16_w128_hc16"
     assert cli.main(["diff", str(SPEC_PATH), a, b]) == 1
     changed = [line for line in capsys.readouterr().out.splitlines()[2:] if line[:1] in "+-"]
-    constants = re.compile(r'^[+-](BLOCK_[QW] = \d+|    "(name|block_q|block_w)": [^\n]+,|"""[^\n]*variant ``\w+``\.)$')
+    constants = re.compile(
+        r'^[+-](BLOCK_[QW] = \d+|    "(name|block_q|block_w)": [^\n]+,|"""[^\n]*variant ``\w+``\.)$'
+    )
     assert changed and all(constants.match(line) for line in changed), changed
 
 

@@ -186,7 +186,9 @@ def test_fetches_match_a_walk_of_the_real_index_maps(name):
             # The index map reads the scalar-prefetch refs: discharged, it takes and returns arrays.
             index_map = discharge_state(bm.index_map_jaxpr)
             rank = len(bm.index_map_jaxpr.jaxpr.outvars)
-            evaluate = jax.jit(lambda *args: jax.core.eval_jaxpr(index_map.jaxpr, index_map.consts, *args)[:rank])
+            evaluate = jax.jit(
+                lambda *args: jax.core.eval_jaxpr(index_map.jaxpr, index_map.consts, *args)[:rank]
+            )
             indices = [
                 tuple(int(v) for v in evaluate(*point, *prefetch))
                 for point in itertools.product(*map(range, model.grid))

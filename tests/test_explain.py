@@ -94,7 +94,9 @@ def test_explain_the_production_variant(capsys):
     assert set(lines) == {"forward", "dq_dweights", "dk"}
     # forward: grid (B, q blocks, w blocks, chunks) = 1 x 64 x 2 x 4; 2 * 64 * 8192 * 2048 * 128 = 2**38
     # MXU FLOPs (274.9 GFLOP) and 3 elementwise operations per entry (3 * 2**30 = 3.2 Gop).
-    assert "1x64x2x4" in lines["forward"] and "  274.9  " in lines["forward"] and "  3.2  " in lines["forward"]
+    assert (
+        "1x64x2x4" in lines["forward"] and "  274.9  " in lines["forward"] and "  3.2  " in lines["forward"]
+    )
     assert "k [1024, 128]" in out and "q [16, 128, 128]" in out
 
 

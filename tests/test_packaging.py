@@ -21,7 +21,9 @@ def test_the_wheel_ships_every_template(tmp_path):
     assert built.returncode == 0, built.stderr[-3000:]
     [wheel] = tmp_path.glob("csa_codegen-*.whl")
     shipped = set(zipfile.ZipFile(wheel).namelist())
-    templates = sorted(p.relative_to(ROOT / "templates").as_posix() for p in (ROOT / "templates").rglob("*.j2"))
+    templates = sorted(
+        p.relative_to(ROOT / "templates").as_posix() for p in (ROOT / "templates").rglob("*.j2")
+    )
     assert len(templates) >= 5
     missing = [t for t in templates if f"codegen/templates/{t}" not in shipped]
     assert not missing, f"templates left out of the wheel: {missing}"

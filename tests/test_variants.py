@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import jax
@@ -13,7 +14,6 @@ from codegen import hlo_audit
 from generated.csa_v4 import VARIANTS
 from tests import support
 from tests.spec_cases import family
-
 
 # (B, H, S, D, W). Every H is a multiple of 16 so each head-chunked variant runs.
 FORWARD_SHAPES = {
@@ -89,11 +89,17 @@ def test_lowers_for_tpu(module):
     )
     audit = hlo_audit.analyse(lowered.compiler_ir("stablehlo"), shape[2] * shape[4], name)
     big_in_score = sum(count for (owner, *_), count in audit.big_ops.items() if owner == "score")
+    kernels = collections.Counter(call.strip('"').removeprefix(f"{name}_") for call in audit.pallas_calls)
+    # Whether the forward kernel survives in the gradient program is the compiler's dead-code
+    # elimination, not the kernels' (the gradient does not use its output; JAX 0.12 drops it, 0.10
+    # keeps it): it may be there once, never anything but the variant's own kernels.
+    assert kernels["forward"] <= 1, kernels
     if module.VARIANT["backward"] == "fused":
-        assert len(audit.pallas_calls) == 3  # forward, dq/dweights, dk
+        assert set(kernels) <= {"forward", "dq_dweights", "dk"}, kernels
+        assert kernels["dq_dweights"] == kernels["dk"] == 1, kernels
         assert audit.loops == [] and big_in_score == 0, audit
     else:
-        assert len(audit.pallas_calls) == 1
+        assert set(kernels) <= {"forward"}, kernels
         assert audit.loops and big_in_score > 0  # the reference VJP scans and materialises logits
 
 

@@ -37,7 +37,12 @@ def _active_fraction(module, shape) -> float:
 def test_executed_mxu_work_is_the_plans_work_model():
     env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0")
     result = subprocess.run(
-        [sys.executable, "-m", "tests.mxu_counter", *(f"{n}:{','.join(map(str, s))}" for n, s in SHAPES.items())],
+        [
+            sys.executable,
+            "-m",
+            "tests.mxu_counter",
+            *(f"{n}:{','.join(map(str, s))}" for n, s in SHAPES.items()),
+        ],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -53,4 +58,6 @@ def test_executed_mxu_work_is_the_plans_work_model():
         assert executed[name]["unmasked"] == expected, name
         fraction = _active_fraction(VARIANTS[name], shape)
         assert 0 < fraction < 1, name  # the mask must leave tiles to skip, or this checks nothing
-        assert executed[name]["causal"] == {kind: int(flops * fraction) for kind, flops in expected.items()}, name
+        assert executed[name]["causal"] == {
+            kind: int(flops * fraction) for kind, flops in expected.items()
+        }, name
