@@ -76,6 +76,11 @@ def tiles(seq_len, num_blocks):
 
 def prepare(q, k, weights, kv_start, kv_end, k_scale):
     """The kernel-ready ``_runtime.Operands`` of a checked call: padded to whole tiles, with tile ranges."""
+    # An input upcast to float32 (to have its gradient summed over mesh axes in float32: see
+    # _runtime.vary_together) goes back to this variant's dtype, exactly; otherwise these do nothing.
+    q, k, weights = (
+        x.astype(VARIANT[f"{name}_dtype"]) for x, name in ((q, "q"), (k, "k"), (weights, "weights"))
+    )
     batch, num_heads, seq_len, head_dim = _runtime.q_dims(q, VARIANT["q_layout"])
     num_blocks = k.shape[1]
     block_q, block_w = tiles(seq_len, num_blocks)
@@ -167,8 +172,8 @@ def _forward_kernel(
         out_ref[...] = jnp.full(out_ref.shape, _runtime.MASKED_VALUE, out_ref.dtype)
 
 
-def _forward(q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret):
-    """The score through one pallas_call; never holds more than a [block_q, block_w] tile of logits."""
+def _forward(q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret, out_dtype):
+    """The score in ``out_dtype`` through one pallas_call; never holds more than a [block_q, block_w] tile of logits."""
     x = prepare(q, k, weights, kv_start, kv_end, k_scale)
     results = _runtime.kernel_call(
         functools.partial(_forward_kernel, softmax_scale=softmax_scale, head_dim=x.head_dim),
@@ -180,7 +185,7 @@ def _forward(q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret)
         skip=_runtime.Skip(axis="j", by="i", lo="w_lo", hi="w_hi", hold=""),
         scalar_prefetch=("w_lo", "w_hi"),
         inputs={"q": x.q, "k": x.k, "weights": x.weights, "kv_bounds": x.kv_bounds},
-        outputs={"out": jax.ShapeDtypeStruct((x.batch, x.seq_pad, x.blocks_pad), jnp.bfloat16)},
+        outputs={"out": jax.ShapeDtypeStruct((x.batch, x.seq_pad, x.blocks_pad), out_dtype)},
         scratch=[],
         block_specs=_block_specs,
         follows=FOLLOWS,
@@ -259,12 +264,13 @@ def _dk_kernel(
         dk_ref[...] = (softmax_scale * dk_acc_ref[...]).astype(dk_ref.dtype)
 
 
-def _backward(softmax_scale, interpret, residuals, g):
+def _backward(softmax_scale, interpret, out_dtype, residuals, g):
     """dq, dk, dweights from two pallas_calls that recompute logits tile by tile in VMEM.
 
     Residuals are the inputs: no [B, H, S, W] (nor [B, S, W]) tensor is saved or materialised.
     Tiles no query may see are skipped, as in the forward.
     """
+    del out_dtype  # g arrives in it; the kernels read it as float32
     q, k, weights, kv_start, kv_end, k_scale = residuals
     x = prepare(q, k, weights, kv_start, kv_end, k_scale)
     # Padding is masked: its cotangent is never read.
@@ -280,8 +286,8 @@ def _backward(softmax_scale, interpret, residuals, g):
         scalar_prefetch=("w_lo", "w_hi"),
         inputs={"q": x.q, "k": x.k, "weights": x.weights, "kv_bounds": x.kv_bounds, "g": g},
         outputs={
-            "dq": jax.ShapeDtypeStruct(x.q.shape, jnp.bfloat16),
-            "dweights": jax.ShapeDtypeStruct(x.weights.shape, jnp.bfloat16),
+            "dq": jax.ShapeDtypeStruct(x.q.shape, _runtime.grad_dtype(q, jnp.bfloat16)),
+            "dweights": jax.ShapeDtypeStruct(x.weights.shape, _runtime.grad_dtype(weights, jnp.bfloat16)),
         },
         scratch=[
             pltpu.VMEM((x.block_q, x.heads * x.head_dim), jnp.float32),
@@ -309,7 +315,7 @@ def _backward(softmax_scale, interpret, residuals, g):
         skip=_runtime.Skip(axis="i", by="j", lo="q_lo", hi="q_hi", hold=""),
         scalar_prefetch=("w_lo", "w_hi", "q_lo", "q_hi"),
         inputs={"q": x.q, "k": x.k, "weights": x.weights, "kv_bounds": x.kv_bounds, "g": g},
-        outputs={"dk": jax.ShapeDtypeStruct(x.k.shape, jnp.bfloat16)},
+        outputs={"dk": jax.ShapeDtypeStruct(x.k.shape, _runtime.grad_dtype(k, jnp.bfloat16))},
         scratch=[pltpu.VMEM((x.block_w, x.head_dim), jnp.float32)],
         block_specs=_block_specs,
         follows=FOLLOWS,
@@ -323,18 +329,59 @@ def _backward(softmax_scale, interpret, residuals, g):
     return dq, dk, dweights, None, None, None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _score(q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret):
-    return _forward(q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _score(q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret, out_dtype):
+    arrays = (q, k, weights, kv_start, kv_end, k_scale)
+    return _runtime.interpretable(
+        lambda a: _forward(*a, softmax_scale, interpret, out_dtype), arrays, interpret
+    )
 
 
-def _score_fwd(q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret):
+def _score_fwd(q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret, out_dtype):
     # Residuals are the inputs only: the backward recomputes logits rather than saving [B, H, S, W].
-    out = _forward(q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret)
-    return out, (q, k, weights, kv_start, kv_end, k_scale)
+    residuals = (q, k, weights, kv_start, kv_end, k_scale)
+    out = _runtime.interpretable(
+        lambda a: _forward(*a, softmax_scale, interpret, out_dtype), residuals, interpret
+    )
+    return out, residuals
 
 
-_score.defvjp(_score_fwd, _backward)
+def _score_bwd(softmax_scale, interpret, out_dtype, residuals, g):
+    backward = lambda a: _backward(softmax_scale, interpret, out_dtype, *a)
+    return _runtime.interpretable(backward, (residuals, g), interpret)
+
+
+_score.defvjp(_score_fwd, _score_bwd)
+
+
+def _check(q, k, weights, kv_start, kv_end, k_scale, softmax_scale):
+    """Raises ValueError naming the argument that does not fit; returns ``(kv_start, kv_end, k_scale,
+    softmax_scale)`` completed: int32 bounds (the defaults filled in) and the scale as a float."""
+    _runtime.check_inputs(q, k, weights, VARIANT)
+    batch, _, seq_len, _ = _runtime.q_dims(q, VARIANT["q_layout"])
+    kv_start = _runtime.check_kv_bound("kv_start", kv_start, (batch, seq_len), 0)
+    kv_end = _runtime.check_kv_bound("kv_end", kv_end, (batch, seq_len), k.shape[1])
+    k_scale = _runtime.check_k_scale(k_scale, k.shape[:2], VARIANT)
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
+    return kv_start, kv_end, k_scale, _runtime.check_scale(softmax_scale)
+
+
+def _score_as(
+    out_dtype, q, k, weights, *, kv_start=None, kv_end=None, k_scale=None, softmax_scale=None, interpret=False
+):
+    """``score`` with its output in ``out_dtype`` (float32 for partial sums over a sharded head axis)."""
+    kv_start, kv_end, k_scale, softmax_scale = _check(q, k, weights, kv_start, kv_end, k_scale, softmax_scale)
+    # Inside jax.shard_map, every input varies over the mesh axes any of them does: the kernels' outputs
+    # and gradients declare that, and autodiff sums the gradient of an input replicated over some of
+    # them (k over a context or head axis) over those axes, once, in float32. Outside shard_map this
+    # does nothing.
+    grad_dtypes = [jnp.dtype(VARIANT[key]) for key in ("qk_grad_dtype", "qk_grad_dtype", "weights_dtype")]
+    q, k, weights, kv_start, kv_end, k_scale = _runtime.vary_together(
+        (q, k, weights, kv_start, kv_end, k_scale), (*grad_dtypes, None, None, jnp.float32)
+    )
+    with jax.named_scope(VARIANT["name"]):
+        return _score(q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret, out_dtype)
 
 
 def score(q, k, weights, *, kv_start=None, kv_end=None, k_scale=None, softmax_scale=None, interpret=False):
@@ -353,14 +400,50 @@ def score(q, k, weights, *, kv_start=None, kv_end=None, k_scale=None, softmax_sc
 
     Any S >= 1 and W >= 1 work; ragged sizes are padded to the tiling and sliced back.
     Gradients: dq and dk come back as bfloat16, dweights as bfloat16.
+    Works inside any ``jax.shard_map`` (check_vma on or off) on per-device shards: outputs and
+    gradients vary over the mesh axes the inputs do, and the gradient of an input replicated over an
+    axis the others vary over is summed over it. ``sharded_score`` does the sharding for you.
     """
-    _runtime.check_inputs(q, k, weights, VARIANT)
-    batch, _, seq_len, _ = _runtime.q_dims(q, VARIANT["q_layout"])
-    kv_start = _runtime.check_kv_bound("kv_start", kv_start, (batch, seq_len), 0)
-    kv_end = _runtime.check_kv_bound("kv_end", kv_end, (batch, seq_len), k.shape[1])
-    k_scale = _runtime.check_k_scale(k_scale, k.shape[:2], VARIANT)
-    if softmax_scale is None:
-        softmax_scale = q.shape[-1] ** -0.5
-    softmax_scale = _runtime.check_scale(softmax_scale)
-    with jax.named_scope(VARIANT["name"]):
-        return _score(q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret)
+    return _score_as(
+        jnp.dtype(VARIANT["out_dtype"]), q, k, weights,
+        kv_start=kv_start, kv_end=kv_end, k_scale=k_scale, softmax_scale=softmax_scale, interpret=interpret,
+    )  # fmt: skip
+
+
+def sharded_score(
+    q, k, weights, *, mesh, batch_axes=_runtime.DEFAULT_BATCH_AXES, context_axis=None, head_axis=None, kv_start=None,
+    kv_end=None, k_scale=None, softmax_scale=None, interpret=False,
+):  # fmt: skip
+    """``score`` on a mesh: a differentiable ``jax.shard_map`` over ``mesh`` returning the same ``[B, S, W]``.
+
+    Args:
+      mesh: a ``jax.sharding.Mesh`` with Auto or Explicit axes. Inputs laid out otherwise (or not on
+        the mesh at all) are resharded to fit, eagerly or under ``jax.jit``.
+      batch_axes: B is sharded over those of these axes that the mesh has (any may be missing). When
+        B does not divide over them, the batch is replicated instead, with a warning naming the sizes.
+      context_axis: None, or an axis to shard S over: q, weights, kv_start, kv_end and the output are
+        split along S, while k is replicated on it (its gradient is summed over
+        it, once, in float32). The axis must divide S. Bounds stay global compressed-block indices,
+        so every shard masks, and skips tiles, right; visibility is per query, so the queries may
+        come in any order: for causal load balance give each shard a chunk from the start of the
+        sequence and one from the end (both q and the bounds permuted), and the scores come back in
+        that order.
+      head_axis: None, or an axis to shard H over (q's and weights'). Each shard scores its heads;
+        the float32 partial scores are summed over the axis, then cast to bfloat16; masked
+        entries stay exactly -inf. The axis must divide H.
+        Cost: an all-reduce of the float32 ``[B/dp, S/cp, W]`` partial scores in the forward, and of
+        dk (``[B/dp, W, D]``) in the backward. Context parallelism moves only the latter
+        (W x D floats against S x W per sequence: 64x fewer at S = 8192, D = 128), so prefer it; see
+        ``python benchmarks/sharding.py``.
+        Only the float32 summation order of the partials differs from the single-device score, so
+        an entry can differ by one bfloat16 ulp (2**-8 relative) where its sum lies at a rounding
+        boundary: within 2e-3 relative (Frobenius) error of it, the suite's bfloat16 tolerance.
+      Everything else is ``score``'s. An axis the mesh does not have, or one used twice, is a
+      ValueError naming it, raised before anything is traced; so is a size that does not divide.
+    """
+    return _runtime.sharded_score(
+        _score_as, _check, q, k, weights, q_layout=VARIANT["q_layout"], head_chunk=HEAD_CHUNK,
+        out_dtype=jnp.dtype(VARIANT["out_dtype"]), mesh=mesh, batch_axes=batch_axes, context_axis=context_axis,
+        head_axis=head_axis, kv_start=kv_start, kv_end=kv_end, k_scale=k_scale, softmax_scale=softmax_scale,
+        interpret=interpret,
+    )  # fmt: skip
