@@ -90,6 +90,7 @@ def render_family(family: Family) -> dict[str, str]:
             env.get_template("runtime.py.j2").render(
                 **_stamp(family),
                 compress_rate=spec.computation.compress_rate,
+                default_scale=repr(spec.computation.softmax_scale),
                 masked_value=_float_literal(spec.computation.masked_value),
             )
         ),

@@ -133,3 +133,19 @@ def mask_batch(seq_len: int, num_blocks: int, seed: int):
     kv_start = jnp.stack([jnp.asarray(random_start), causal[0], packed[0], window[0]]).astype(jnp.int32)
     kv_end = jnp.stack([jnp.asarray(random_end), causal[1], packed[1], window[1]]).astype(jnp.int32)
     return kv_start, kv_end
+
+
+def pallas_calls(jaxpr):
+    """Every pallas_call equation of a jaxpr, nested jaxprs (custom_vjp, pjit, scans) included."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            yield eqn
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                yield from pallas_calls(inner)
+
+
+def kernel_name(eqn, variant_name: str) -> str:
+    """The kernel a pallas_call equation runs ("forward", "dq_dweights", "dk"), from its name."""
+    return str(getattr(eqn.params["name"], "name", eqn.params["name"])).removeprefix(variant_name + "_")

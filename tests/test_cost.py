@@ -143,20 +143,6 @@ def test_block_fetches_matches_brute_force(grid):
             assert cost.block_fetches(grid, axes) == expected, (grid, axes)
 
 
-def _pallas_calls(jaxpr):
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            yield eqn
-        for param in eqn.params.values():
-            inner = getattr(param, "jaxpr", param)
-            if hasattr(inner, "eqns"):
-                yield from _pallas_calls(inner)
-
-
-def _kernel_name(eqn, variant_name):
-    return str(getattr(eqn.params["name"], "name", eqn.params["name"])).removeprefix(variant_name + "_")
-
-
 @pytest.mark.parametrize(
     "name", ["tpu_hm_bf16_q16_w128_hc16", "tpu_sm_f32_q16_w128_hcall", "tpu_sm_fp8_q128_w1024_hc16"]
 )
@@ -176,8 +162,8 @@ def test_fetches_match_a_walk_of_the_real_index_maps(name):
     x = module.prepare(q, k, weights, *unmasked, scale.get("k_scale"))
     the_plan = family().plan(name)
     walked = 0
-    for eqn in _pallas_calls(jaxpr.jaxpr):
-        kernel = the_plan.kernel(_kernel_name(eqn, name))
+    for eqn in support.pallas_calls(jaxpr.jaxpr):
+        kernel = the_plan.kernel(support.kernel_name(eqn, name))
         model = cost.kernel_cost(the_plan, kernel, shape)
         mapping = eqn.params["grid_mapping"]
         prefetch = [getattr(x, n) for n in kernel.scalar_prefetch]
@@ -294,7 +280,9 @@ def test_generated_cost_estimates_are_the_model(name):
         return jnp.sum(support.call(module, q, k, weights).astype(jnp.float32))
 
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, weights)
-    estimates = {_kernel_name(e, name): e.params["cost_estimate"] for e in _pallas_calls(jaxpr.jaxpr)}
+    estimates = {
+        support.kernel_name(e, name): e.params["cost_estimate"] for e in support.pallas_calls(jaxpr.jaxpr)
+    }
     the_plan = family().plan(name)
     assert set(estimates) == {k.name for k in the_plan.kernels}
     for kernel, estimate in estimates.items():

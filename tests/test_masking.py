@@ -175,25 +175,11 @@ def test_kernels_use_scalar_prefetch(module):
         return jnp.sum(support.call(module, q, k, weights).astype(jnp.float32))
 
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, weights)
-    calls = [e for e in _equations(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
     expected = {"forward": 2, "dq_dweights": 2, "dk": 4}
     if module.VARIANT["backward"] == "reference":
         expected = {"forward": 2}
     found = {
-        str(getattr(e.params["name"], "name", e.params["name"]))
-        .removeprefix(name + "_"): e.params["grid_mapping"]
-        .num_index_operands
-        for e in calls
+        support.kernel_name(e, name): e.params["grid_mapping"].num_index_operands
+        for e in support.pallas_calls(jaxpr.jaxpr)
     }
     assert found == expected
-
-
-def _equations(jaxpr):
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for param in eqn.params.values():
-            inner = getattr(param, "jaxpr", None)
-            if inner is not None and hasattr(inner, "eqns"):
-                yield from _equations(inner)
-            elif hasattr(param, "eqns"):
-                yield from _equations(param)

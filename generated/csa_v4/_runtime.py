@@ -20,6 +20,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 COMPRESS_RATE = 4  # tokens per compressed block in this family's spec
 MASKED_VALUE = float("-inf")  # every entry a query may not see
+DEFAULT_SOFTMAX_SCALE = None  # None: head_dim ** -0.5, taken from q at call time
 LANES = 128
 ACCUM_DTYPE = jnp.float32  # every dtype policy accumulates in float32
 # q_h [rows, D] . k [cols, D]^T: contract the last dimension of both.
@@ -118,6 +119,19 @@ def check_k_scale(k_scale, shape, variant):
             f"{getattr(k_scale, 'dtype', type(k_scale).__name__)} {tuple(getattr(k_scale, 'shape', ()))}"
         )
     return k_scale
+
+
+def check_call(variant, q, k, weights, kv_start, kv_end, k_scale, softmax_scale):
+    """Raises ValueError naming the argument that does not fit ``variant``; returns ``(kv_start, kv_end,
+    k_scale, softmax_scale)`` completed: int32 bounds (the defaults filled in) and the scale as a float."""
+    check_inputs(q, k, weights, variant)
+    batch, _, seq_len, _ = q_dims(q, variant["q_layout"])
+    kv_start = check_kv_bound("kv_start", kv_start, (batch, seq_len), 0)
+    kv_end = check_kv_bound("kv_end", kv_end, (batch, seq_len), k.shape[1])
+    k_scale = check_k_scale(k_scale, k.shape[:2], variant)
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5 if DEFAULT_SOFTMAX_SCALE is None else DEFAULT_SOFTMAX_SCALE
+    return kv_start, kv_end, k_scale, check_scale(softmax_scale)
 
 
 # Padding and tiles.
@@ -398,6 +412,48 @@ def cost_estimate(grid_axes, grid, blocks, work, x):
 
 
 # Meshes: what makes a variant's score work inside jax.shard_map, and sharded_score.
+
+
+def differentiable_score(variant, forward, backward):
+    """A variant's ``score_as(out_dtype, q, k, weights, *, kv_start, kv_end, k_scale, softmax_scale,
+    interpret)``: ``score`` with its output in ``out_dtype`` (float32 for partial sums over a sharded
+    head axis), a ``jax.custom_vjp`` over the variant's ``forward`` and ``backward`` whose residuals
+    are the inputs only (the backward recomputes logits rather than saving [B, H, S, W])."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+    def core(q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret, out_dtype):
+        arrays = (q, k, weights, kv_start, kv_end, k_scale)
+        return interpretable(lambda a: forward(*a, softmax_scale, interpret, out_dtype), arrays, interpret)
+
+    def core_fwd(q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret, out_dtype):
+        residuals = (q, k, weights, kv_start, kv_end, k_scale)
+        out = interpretable(lambda a: forward(*a, softmax_scale, interpret, out_dtype), residuals, interpret)
+        return out, residuals
+
+    def core_bwd(softmax_scale, interpret, out_dtype, residuals, g):
+        return interpretable(
+            lambda a: backward(softmax_scale, interpret, out_dtype, *a), (residuals, g), interpret
+        )
+
+    core.defvjp(core_fwd, core_bwd)
+    grad_dtypes = [jnp.dtype(variant[key]) for key in ("qk_grad_dtype", "qk_grad_dtype", "weights_dtype")]
+
+    def score_as(out_dtype, q, k, weights, *, kv_start=None, kv_end=None, k_scale=None, softmax_scale=None,
+                 interpret=False):  # fmt: skip
+        checked = check_call(variant, q, k, weights, kv_start, kv_end, k_scale, softmax_scale)
+        kv_start, kv_end, k_scale, softmax_scale = checked
+        # Inside jax.shard_map, every input varies over the mesh axes any of them does: the kernels'
+        # outputs and gradients declare that, and autodiff sums the gradient of an input replicated
+        # over some of them (k over a context or head axis) over those axes, once, in float32.
+        # Outside shard_map this does nothing.
+        q, k, weights, kv_start, kv_end, k_scale = vary_together(
+            (q, k, weights, kv_start, kv_end, k_scale), (*grad_dtypes, None, None, jnp.float32)
+        )
+        with jax.named_scope(variant["name"]):
+            return core(q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret, out_dtype)
+
+    return score_as
+
 
 # Inside ``jax.shard_map(..., check_vma=True)`` (the default) the type of every array records the
 # manual mesh axes it varies over. A pallas_call cannot infer that for its outputs, so each out_shape

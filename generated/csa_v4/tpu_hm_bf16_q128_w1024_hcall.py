@@ -328,59 +328,10 @@ def _backward(softmax_scale, interpret, out_dtype, residuals, g):
     return dq, dk, dweights, None, None, None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _score(q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret, out_dtype):
-    arrays = (q, k, weights, kv_start, kv_end, k_scale)
-    return _runtime.interpretable(
-        lambda a: _forward(*a, softmax_scale, interpret, out_dtype), arrays, interpret
-    )
-
-
-def _score_fwd(q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret, out_dtype):
-    # Residuals are the inputs only: the backward recomputes logits rather than saving [B, H, S, W].
-    residuals = (q, k, weights, kv_start, kv_end, k_scale)
-    out = _runtime.interpretable(
-        lambda a: _forward(*a, softmax_scale, interpret, out_dtype), residuals, interpret
-    )
-    return out, residuals
-
-
-def _score_bwd(softmax_scale, interpret, out_dtype, residuals, g):
-    backward = lambda a: _backward(softmax_scale, interpret, out_dtype, *a)
-    return _runtime.interpretable(backward, (residuals, g), interpret)
-
-
-_score.defvjp(_score_fwd, _score_bwd)
-
-
-def _check(q, k, weights, kv_start, kv_end, k_scale, softmax_scale):
-    """Raises ValueError naming the argument that does not fit; returns ``(kv_start, kv_end, k_scale,
-    softmax_scale)`` completed: int32 bounds (the defaults filled in) and the scale as a float."""
-    _runtime.check_inputs(q, k, weights, VARIANT)
-    batch, _, seq_len, _ = _runtime.q_dims(q, VARIANT["q_layout"])
-    kv_start = _runtime.check_kv_bound("kv_start", kv_start, (batch, seq_len), 0)
-    kv_end = _runtime.check_kv_bound("kv_end", kv_end, (batch, seq_len), k.shape[1])
-    k_scale = _runtime.check_k_scale(k_scale, k.shape[:2], VARIANT)
-    if softmax_scale is None:
-        softmax_scale = q.shape[-1] ** -0.5
-    return kv_start, kv_end, k_scale, _runtime.check_scale(softmax_scale)
-
-
-def _score_as(
-    out_dtype, q, k, weights, *, kv_start=None, kv_end=None, k_scale=None, softmax_scale=None, interpret=False
-):
-    """``score`` with its output in ``out_dtype`` (float32 for partial sums over a sharded head axis)."""
-    kv_start, kv_end, k_scale, softmax_scale = _check(q, k, weights, kv_start, kv_end, k_scale, softmax_scale)
-    # Inside jax.shard_map, every input varies over the mesh axes any of them does: the kernels' outputs
-    # and gradients declare that, and autodiff sums the gradient of an input replicated over some of
-    # them (k over a context or head axis) over those axes, once, in float32. Outside shard_map this
-    # does nothing.
-    grad_dtypes = [jnp.dtype(VARIANT[key]) for key in ("qk_grad_dtype", "qk_grad_dtype", "weights_dtype")]
-    q, k, weights, kv_start, kv_end, k_scale = _runtime.vary_together(
-        (q, k, weights, kv_start, kv_end, k_scale), (*grad_dtypes, None, None, jnp.float32)
-    )
-    with jax.named_scope(VARIANT["name"]):
-        return _score(q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret, out_dtype)
+# The call contract (checks, the defaults filled in) and the differentiable score over this module's
+# kernels; shared by every variant, in _runtime.
+_check = functools.partial(_runtime.check_call, VARIANT)
+_score_as = _runtime.differentiable_score(VARIANT, _forward, _backward)
 
 
 def score(q, k, weights, *, kv_start=None, kv_end=None, k_scale=None, softmax_scale=None, interpret=False):
