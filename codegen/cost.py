@@ -1,9 +1,12 @@
 """Cost of each pallas_call of a variant at a problem shape: VMEM footprint, HBM traffic, work, roofline.
 
 Everything is read off the kernel plan (``codegen.plan``): the grid, each block's shape and the axes
-its index follows, scratch and temporaries, and the work model. Every tile is assumed active;
-``explain --causal`` discounts the tiles a causal mask skips. The scalar-prefetched tile ranges (a
-few int32 per q or w block, in SMEM) are left out.
+its index follows, scratch and temporaries, and the work model. Without visibility bounds every
+compute block is assumed to do work, unmasked (as the kernels' ``pl.CostEstimate`` says); with them
+(``block_kinds``), each (q block, compute block) is classified by the kernels' own rule
+(``codegen.masks``) and only what the kernels execute is counted: no work for an empty block, the
+mask for a partial one, and no DMA for a skipped tile. The scalar-prefetched ranges (six int32 per q
+block, two per w tile, in SMEM) are left out.
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, NamedTuple
 
-from codegen import tiles
+import numpy as np
+
+from codegen import masks, tiles
 from codegen.plan import Block, KernelPlan, VariantPlan
 
 if TYPE_CHECKING:
@@ -36,6 +41,7 @@ class Tiling:
     shape: Shape
     block_q: int
     block_w: int
+    compute_w: int
     heads: int  # per grid step
     seq_pad: int
     blocks_pad: int
@@ -55,6 +61,7 @@ class Tiling:
         sizes = {
             "block_q": self.block_q,
             "block_w": self.block_w,
+            "compute_w": self.compute_w,
             "head_dim": self.shape.head_dim,
             "heads": self.heads,
             "heads_x_dim": self.heads * self.shape.head_dim,
@@ -63,16 +70,73 @@ class Tiling:
 
 
 def tiling(plan: VariantPlan, shape: tuple[int, int, int, int, int]) -> Tiling:
-    """Blocks shrink to the problem: rows to the plan's sublane granule, columns to 128 lanes."""
+    """Blocks shrink to the problem: rows to the plan's sublane granule, columns to whole compute blocks."""
     p = Shape(*shape)
     heads = plan.head_chunk or p.num_heads
     if p.num_heads % heads:
         raise ValueError(f"head_chunk {heads} does not divide num_heads {p.num_heads}")
     block_q = min(plan.block_q, tiles.round_up(p.seq_len, plan.sublanes))
-    block_w = min(plan.block_w, tiles.round_up(p.num_blocks, tiles.LANES))
+    block_w = min(plan.block_w, tiles.round_up(p.num_blocks, plan.compute_w))
     return Tiling(
-        p, block_q, block_w, heads, tiles.round_up(p.seq_len, block_q), tiles.round_up(p.num_blocks, block_w)
+        p,
+        block_q,
+        block_w,
+        plan.compute_w,
+        heads,
+        tiles.round_up(p.seq_len, block_q),
+        tiles.round_up(p.num_blocks, block_w),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockKinds:
+    """The (q block, compute block) pairs of a call, over its batch, by what every kernel does with
+    them; and its (q block, w tile) DMA tiles, by whether any of their compute blocks has work."""
+
+    empty: int  # no query of the q block sees any of it: no matmul, no elementwise op
+    full: int  # every query sees all of it: work, no mask
+    partial: int  # work, and a mask built and applied
+    tiles_with_work: int
+    tiles: int
+
+    @property
+    def work(self) -> int:
+        return self.full + self.partial
+
+    @property
+    def total(self) -> int:
+        return self.empty + self.full + self.partial
+
+
+def block_kinds(t: Tiling, kv_start, kv_end) -> BlockKinds:
+    """Classifies a call's compute blocks as its kernels do, from integer [B, S] visibility bounds."""
+    p = t.shape
+
+    def padded(bound):  # clipped to the blocks that exist; padding queries see nothing
+        bound = np.clip(np.asarray(bound, np.int64), 0, p.num_blocks).astype(np.int32)
+        return np.pad(bound, ((0, 0), (0, t.seq_pad - p.seq_len)))
+
+    bounds = [
+        np.asarray(b)[:, None] for b in masks.query_block_bounds(padded(kv_start), padded(kv_end), t.block_q)
+    ]
+    lo = np.arange(0, t.blocks_pad, t.compute_w, dtype=np.int32)[None]
+    empty, full = (np.asarray(x) for x in masks.block_kind(*bounds, lo, lo + t.compute_w))
+    # A w tile has work iff one of its compute blocks has: its DMAs are the ones the index maps keep.
+    tile_work = ~empty.reshape(empty.shape[0], -1, t.block_w // t.compute_w).all(axis=2)
+    return BlockKinds(
+        empty=int(empty.sum()),
+        full=int(full.sum()),
+        partial=int((~empty & ~full).sum()),
+        tiles_with_work=int(tile_work.sum()),
+        tiles=int(tile_work.size),
+    )
+
+
+def causal_kinds(t: Tiling, compress_rate: int) -> BlockKinds:
+    """``block_kinds`` of causal CSA from position 0 (query p sees blocks w < (p + 1) // r), every sequence."""
+    p = t.shape
+    kv_end = np.broadcast_to((np.arange(p.seq_len) + 1) // compress_rate, (p.batch, p.seq_len))
+    return block_kinds(t, np.zeros_like(kv_end), kv_end)
 
 
 def padded_bytes(shape: tuple[int, ...], nbytes: int) -> int:
@@ -123,20 +187,6 @@ class KernelCost:
         """Executed operations per HBM byte moved."""
         return self.flops / self.hbm_bytes
 
-    def scaled(self, fraction: float, skipped: tuple[str, ...]) -> KernelCost:
-        """This cost with only ``fraction`` of the tiles doing work: their matmuls, elementwise work and
-        the fetches of the ``skipped`` operands (whose blocks hold still on a skipped step) go."""
-        by_operand = {
-            name: int(moved * fraction) if name in skipped else moved
-            for name, moved in self.hbm_bytes_by_operand.items()
-        }
-        return dataclasses.replace(
-            self,
-            hbm_bytes_by_operand=by_operand,
-            mxu_flops=int(self.mxu_flops * fraction),
-            vpu_ops=int(self.vpu_ops * fraction),
-        )
-
     def compute_seconds(self, chip: Chip) -> float:
         """MXU work at its type's peak (float32 at highest precision: the chip's f32 rate, 1/6 of bf16 on
         TPU); elementwise work at the bf16 peak too, as the VPU's own rate is not a fact JAX exposes, so
@@ -169,8 +219,14 @@ def _vmem(buffers: list[tuple[tuple[int, ...], int]], padded: bool) -> int:
     return sum(padded_bytes(s, n) if padded else math.prod(s) * n for s, n in buffers)
 
 
-def kernel_cost(plan: VariantPlan, kernel: KernelPlan, shape: tuple[int, int, int, int, int]) -> KernelCost:
-    """The cost of one of the variant's pallas_calls at problem ``shape`` (B, H, S, D, W)."""
+def kernel_cost(
+    plan: VariantPlan,
+    kernel: KernelPlan,
+    shape: tuple[int, int, int, int, int],
+    kinds: BlockKinds | None = None,
+) -> KernelCost:
+    """The cost of one of the variant's pallas_calls at problem ``shape`` (B, H, S, D, W): every compute
+    block doing unmasked work, or, given ``kinds``, exactly what the kernels execute under that mask."""
     t = tiling(plan, shape)
     p = t.shape
     grid = tuple(t.extents[a] for a in kernel.axes)
@@ -182,9 +238,18 @@ def kernel_cost(plan: VariantPlan, kernel: KernelPlan, shape: tuple[int, int, in
     single: list[tuple[tuple[int, ...], int]] = [
         (t.dims(s.shape), tiles.itemsize(s.dtype)) for s in kernel.scratch + kernel.temporaries
     ]
-    entries = p.batch * p.num_heads * t.seq_pad * t.blocks_pad
+    pairs = p.batch * (t.seq_pad // t.block_q) * (t.blocks_pad // t.compute_w)
+    if kinds is None:
+        kinds = BlockKinds(empty=0, full=pairs, partial=0, tiles_with_work=1, tiles=1)
+    pair_entries = t.block_q * t.compute_w  # (query, compressed block) entries of one pair
+    entries = kinds.work * pair_entries * p.num_heads  # per head, in the compute blocks with work
     useful_entries = p.batch * p.num_heads * p.seq_len * p.num_blocks
     work = kernel.work
+    masks_built = kinds.partial * (t.extents["c"] if work.mask_per_chunk else 1)
+    moved = {name: fetches[name] * math.prod(s) * n for name, (s, n) in blocks.items()}
+    # A skipped tile's DMAs are those of the operands whose blocks hold still on it.
+    skipped = kernel.skipped_operands()
+    moved = {n: b * kinds.tiles_with_work // kinds.tiles if n in skipped else b for n, b in moved.items()}
     return KernelCost(
         kernel=kernel.name,
         grid=grid,
@@ -192,18 +257,20 @@ def kernel_cost(plan: VariantPlan, kernel: KernelPlan, shape: tuple[int, int, in
         fetches=fetches,
         vmem_bytes=2 * _vmem(list(blocks.values()), True) + _vmem(single, True),
         vmem_bytes_unpadded=2 * _vmem(list(blocks.values()), False) + _vmem(single, False),
-        hbm_bytes_by_operand={name: fetches[name] * math.prod(s) * n for name, (s, n) in blocks.items()},
+        hbm_bytes_by_operand=moved,
         min_hbm_bytes=sum(_min_bytes(b, t, blocks[b.name][1]) for b in kernel.blocks),
         mxu_flops=2 * entries * p.head_dim * work.mxu_passes,
-        vpu_ops=entries * work.vpu_ops,
+        vpu_ops=entries * work.vpu_ops + masks_built * pair_entries * work.mask_ops,
         useful_flops=useful_entries * (2 * p.head_dim * work.useful_passes + work.vpu_ops),
         mxu_itemsize=plan.mxu_itemsize,
     )
 
 
-def variant_costs(plan: VariantPlan, shape: tuple[int, int, int, int, int]) -> list[KernelCost]:
-    """Every pallas_call of the variant at shape (B, H, S, D, W)."""
-    return [kernel_cost(plan, kernel, shape) for kernel in plan.kernels]
+def variant_costs(
+    plan: VariantPlan, shape: tuple[int, int, int, int, int], kinds: BlockKinds | None = None
+) -> list[KernelCost]:
+    """Every pallas_call of the variant at shape (B, H, S, D, W) (under the mask ``kinds`` classifies)."""
+    return [kernel_cost(plan, kernel, shape, kinds) for kernel in plan.kernels]
 
 
 def vmem_footprints(plan: VariantPlan, num_heads: int, head_dim: int) -> dict[str, int]:

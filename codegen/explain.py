@@ -3,29 +3,17 @@
 Per kernel: grid, block shapes, VMEM footprint against the limit it compiles with, HBM bytes moved
 (re-fetches counted as the Pallas pipeline does them) against the minimum, MXU FLOPs and elementwise
 (VPU) operations, arithmetic intensity and the roofline time (``cost.KernelCost``'s one model). With
-``causal``, tiles the kernels skip are discounted: their work, and the fetches of the operands the
-plan holds still on a skipped step.
+``causal``, every (q block, compute block) is classified by the kernels' own rule on the causal
+ranges (``codegen.masks``): empty blocks do no MXU or VPU work, full ones no masking, partial ones
+mask; tiles with no work fetch nothing for the operands the plan holds still on a skipped step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-
 from codegen import chips, cost, tiles
 from codegen.plan import VariantPlan
-
-
-def active_fraction(plan: VariantPlan, shape: tuple[int, ...], compress_rate: int) -> float:
-    """Fraction of (q block, w block) tiles with work for causal CSA from position 0."""
-    t = cost.tiling(plan, shape)
-    _, _, seq_len, _, num_blocks = shape
-    ends = np.minimum((np.arange(t.seq_pad) + 1) // compress_rate, num_blocks)
-    ends[seq_len:] = 0
-    last = ends.reshape(-1, t.block_q).max(axis=1)  # max kv_end per q block; kv_start is 0
-    active = -(-last // t.block_w)  # w blocks [0, ceil(last / block_w)) have work
-    return float(active.sum()) / (len(last) * (t.blocks_pad // t.block_w))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +28,8 @@ class Row:
     min_hbm_bytes: int
     mxu_flops: int
     vpu_ops: int
+    mxu_vs_unmasked: float  # executed MXU FLOPs over those of the same call unmasked
+    compute_blocks: dict[str, int]  # (q block, compute block) pairs: empty, full, partial; and DMA tiles
     intensity: float
     roofline_us: float
     bound: str
@@ -48,10 +38,15 @@ class Row:
 def explain(
     plan: VariantPlan, shape: tuple[int, ...], chip: chips.Chip, compress_rate: int, causal: bool = False
 ) -> list[Row]:
-    fraction = active_fraction(plan, shape, compress_rate) if causal else 1.0
+    t = cost.tiling(plan, shape)
+    kinds = cost.causal_kinds(t, compress_rate) if causal else None
+    shown = kinds or cost.BlockKinds(
+        0, t.shape.batch * (t.seq_pad // t.block_q) * (t.blocks_pad // t.compute_w), 0, 1, 1
+    )
     rows = []
     for kernel in plan.kernels:
-        k = cost.kernel_cost(plan, kernel, shape).scaled(fraction, kernel.skipped_operands())
+        k = cost.kernel_cost(plan, kernel, shape, kinds)
+        unmasked = cost.kernel_cost(plan, kernel, shape)
         rows.append(
             Row(
                 variant=plan.name,
@@ -64,6 +59,14 @@ def explain(
                 min_hbm_bytes=k.min_hbm_bytes,
                 mxu_flops=k.mxu_flops,
                 vpu_ops=k.vpu_ops,
+                mxu_vs_unmasked=k.mxu_flops / unmasked.mxu_flops,
+                compute_blocks=dict(
+                    empty=shown.empty,
+                    full=shown.full,
+                    partial=shown.partial,
+                    tiles_with_work=shown.tiles_with_work if kinds else None,
+                    tiles=shown.tiles if kinds else None,
+                ),
                 intensity=k.intensity(),
                 roofline_us=k.roofline_seconds(chip) * 1e6,
                 bound=k.bound(chip),
@@ -75,10 +78,10 @@ def explain(
 def table(rows: list[Row], chip: chips.Chip, shape, causal: bool, blocks: bool = True) -> str:
     """A plain-text table, one line per kernel, then (with ``blocks``) each kernel's block shapes."""
     head = f"chip {chip.name}; B,H,S,D,W = {','.join(map(str, shape))}" + (
-        "; causal (skipped tiles discounted)" if causal else ""
+        "; causal (only the compute blocks with work counted)" if causal else ""
     )
     columns = ["variant", "kernel", "grid", "VMEM MiB / limit", "HBM MiB", "x min", "MXU GFLOP", "VPU Gop"]
-    columns += ["op/B", "roofline us"]
+    columns += ["MXU x unmasked"] * causal + ["op/B", "roofline us"]
     lines = [
         [
             r.variant,
@@ -89,6 +92,7 @@ def table(rows: list[Row], chip: chips.Chip, shape, causal: bool, blocks: bool =
             f"{r.hbm_bytes / r.min_hbm_bytes:.2f}",
             f"{r.mxu_flops / 1e9:,.1f}",
             f"{r.vpu_ops / 1e9:,.1f}",
+            *[f"{r.mxu_vs_unmasked:.3f}"] * causal,
             f"{r.intensity:,.0f}",
             f"{r.roofline_us:,.1f} ({r.bound})",
         ]
@@ -97,6 +101,17 @@ def table(rows: list[Row], chip: chips.Chip, shape, causal: bool, blocks: bool =
     widths = [max(len(c), *(len(line[i]) for line in lines)) for i, c in enumerate(columns)]
     out = [head, "  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip()]
     out += ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]
+    if causal:
+        out.append("(q block, compute block) pairs, every kernel alike:")
+        seen = set()
+        for r in rows:
+            if r.variant not in seen:
+                seen.add(r.variant)
+                n = r.compute_blocks
+                out.append(
+                    f"  {r.variant}: {n['empty']} empty (no work), {n['full']} full (no mask), "
+                    f"{n['partial']} partial (masked); DMA tiles with work {n['tiles_with_work']} of {n['tiles']}"
+                )
     if blocks:
         out.append("blocks:")
         out += [

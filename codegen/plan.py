@@ -7,9 +7,13 @@ kernel signatures from it; ``cost`` counts bytes and FLOPs from it; ``budget`` s
 ``explain``, the benchmarks and the tests read it. Nothing else describes a kernel's geometry.
 
 Grid axes are single letters: ``b`` batch, ``i`` q block, ``j`` w block, ``c`` head chunk. Block
-dimensions are symbols resolved per call (``block_q``, ``block_w``, ``head_dim``, ``heads``: heads
-per grid step, ``heads_x_dim``: their lanes in a sequence-major q row), integers, or None (a
-squeezed dimension).
+dimensions are symbols resolved per call (``block_q``, ``block_w``, ``compute_w``, ``head_dim``,
+``heads``: heads per grid step, ``heads_x_dim``: their lanes in a sequence-major q row), integers, or
+None (a squeezed dimension).
+
+A grid step's blocks are one DMA's worth (``block_q x block_w``); inside it every kernel steps
+through ``block_w // compute_w`` compute blocks, each classified from four int32 of its q block
+(``codegen.masks``) as empty (no work), full (no mask) or partial (masked).
 """
 
 from __future__ import annotations
@@ -71,12 +75,16 @@ class Skip:
 
 @dataclasses.dataclass(frozen=True)
 class Work:
-    """Per (head, query, compressed block) entry of the padded problem: logits-sized MXU matmuls
-    (2 * head_dim FLOPs each) and elementwise (VPU) operations."""
+    """Per (head, query, compressed block) entry of a compute block with work: logits-sized MXU
+    matmuls (2 * head_dim FLOPs each) and elementwise (VPU) operations; and per (query, compressed
+    block) entry of a partial compute block, the operations that build and apply its mask, once per
+    grid step over head chunks (``mask_per_chunk``) or once in all."""
 
     mxu_passes: int
     vpu_ops: int
     useful_passes: int  # the matmuls the math needs; the rest split a float32 operand for accuracy
+    mask_ops: int = 6  # iota, its offset, two compares, their and, the select
+    mask_per_chunk: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +129,7 @@ class VariantPlan:
     variant: Variant
     block_q: int
     block_w: int
+    compute_w: int  # compressed blocks per compute step inside a block_w tile
     head_chunk: int  # 0: all heads in one grid step
     sublanes: int  # row granule of a shrunk q block: the narrowest dtype of q, weights and output
     mxu_itemsize: int  # the type the MXU multiplies in: 4 only for float32 at highest precision
@@ -152,6 +161,12 @@ def _blocks(variant: Variant) -> dict[str, Block]:
         weights = Block("weights", (None, "block_q", "heads"), ("b", "i", 0), policy.weights)
     k = Block("k", (None, "block_w", "head_dim"), ("b", "j", 0), policy.qk)
     k_scale = Block("k_scale", (None, 1, "block_w"), ("b", 0, "j"), "float32")
+    # What the dk kernel's transposed tiles ([compressed block, query]) need, laid out along q by the
+    # wrapper (each q block's [rows, block_q] a whole trailing slab, so any block_q is legal), so the
+    # kernel transposes nothing but the cotangent.
+    weights_t = Block("weights_t", (None, None, "heads", "block_q"), ("b", "i", "c", 0), policy.weights)
+    kv_bounds_t = Block("kv_bounds_t", (None, None, 2, "block_q"), ("b", "i", 0, 0), "int32")
+    k_scale_t = Block("k_scale_t", (None, "block_w", 1), ("b", "j", 0), "float32")
     tile = (None, "block_q", "block_w"), ("b", "i", "j")
     return {
         "q": q,
@@ -159,12 +174,15 @@ def _blocks(variant: Variant) -> dict[str, Block]:
         "weights": weights,
         "kv_bounds": Block("kv_bounds", (None, "block_q", 2), ("b", "i", 0), "int32"),
         "k_scale": k_scale,
+        "weights_t": weights_t,
+        "kv_bounds_t": kv_bounds_t,
+        "k_scale_t": k_scale_t,
         "out": Block("out", *tile, policy.out),
         "g": Block("g", *tile, policy.out),
         "dq": dataclasses.replace(q, name="dq", dtype=policy.qk_grad_dtype),
         "dweights": dataclasses.replace(weights, name="dweights"),
         "dk": dataclasses.replace(k, name="dk", dtype=policy.qk_grad_dtype),
-        "dk_scale": dataclasses.replace(k_scale, name="dk_scale"),
+        "dk_scale": dataclasses.replace(k_scale_t, name="dk_scale"),
     }
 
 
@@ -187,12 +205,13 @@ def build(variant: Variant) -> VariantPlan:
     chunked = variant.head_chunk > 0
     blocks = _blocks(variant)
     scaled = policy.k_scale
-    tile = Buffer("tile", ("block_q", "block_w"), F32)
-    # float8 q/k are upcast to bfloat16 in VMEM for the MXU: one q head and the k tile at a time.
+    tile = Buffer("tile", ("block_q", "compute_w"), F32)  # one compute block's
+    tile_t = Buffer("tile_t", ("compute_w", "block_q"), F32)  # the same, transposed (dk)
+    # float8 q/k are upcast to bfloat16 in VMEM for the MXU: one q head and a compute block of k at a time.
     upcast = (
         (
             Buffer("q_head", ("block_q", "head_dim"), "bfloat16"),
-            Buffer("k_tile", ("block_w", "head_dim"), "bfloat16"),
+            Buffer("k_tile", ("compute_w", "head_dim"), "bfloat16"),
         )
         if policy.qk == FP8
         else ()
@@ -203,19 +222,23 @@ def build(variant: Variant) -> VariantPlan:
     inputs = tuple(
         blocks[n] for n in ("q", "k", "weights", "kv_bounds", "k_scale") if n != "k_scale" or scaled
     )
+    # Scalar prefetch (SMEM), flattened over the batch: per q block, the w tiles it has work in
+    # (the index maps' skip range) and the four bounds its compute blocks are classified by.
+    q_block_ranges = ("w_lo", "w_hi", "any_lo", "any_hi", "all_lo", "all_hi")
 
     forward_grid = _grid(chunked, ("b", PARALLEL), ("i", PARALLEL), ("j", PARALLEL), ("c", ARBITRARY))
     kernels = [
         KernelPlan(
             name="forward",
             grid=forward_grid,
-            scalar_prefetch=("w_lo", "w_hi"),
+            scalar_prefetch=q_block_ranges,
             inputs=inputs,
             outputs=(blocks["out"],),
             scratch=(Buffer("acc", ("block_q", "block_w"), F32),) if chunked else (),
             temporaries=(tile, tile) + upcast,  # one head's logits and its weighted relu
             skip=_skip(forward_grid, "j", "i", "w_lo", "w_hi"),
-            work=Work(mxu_passes=1, vpu_ops=3, useful_passes=1),  # relu, weight multiply, head sum
+            # relu, weight multiply, head sum; the mask once, on the scores
+            work=Work(mxu_passes=1, vpu_ops=3, useful_passes=1, mask_per_chunk=False),
         )
     ]
     if variant.backward == "fused":
@@ -225,7 +248,7 @@ def build(variant: Variant) -> VariantPlan:
             KernelPlan(
                 name="dq_dweights",
                 grid=dq_grid,
-                scalar_prefetch=("w_lo", "w_hi"),
+                scalar_prefetch=q_block_ranges,
                 inputs=inputs + (blocks["g"],),
                 outputs=(blocks["dq"], blocks["dweights"]),
                 scratch=(Buffer("dq_acc", q_block, F32), Buffer("dweights_acc", ("block_q", "heads"), F32)),
@@ -237,17 +260,19 @@ def build(variant: Variant) -> VariantPlan:
         )
         dk_grid = _grid(chunked, ("b", PARALLEL), ("j", PARALLEL), ("i", ARBITRARY), ("c", ARBITRARY))
         dk_scratch = (Buffer("dk_acc", ("block_w", "head_dim"), F32),)
-        # logits, the cotangent, dlogits and dlogits transposed for the dk matmul
-        dk_temporaries = (tile, tile, tile, Buffer("dlogits_t", ("block_w", "block_q"), F32)) + upcast
+        # transposed: the cotangent, logits and dlogits of one compute block
+        dk_temporaries = (tile_t, tile_t, tile_t) + upcast
+        dk_inputs = (blocks["q"], blocks["k"], blocks["weights_t"], blocks["kv_bounds_t"])
         if scaled:
-            dk_scratch += (Buffer("dk_scale_acc", (1, "block_w"), F32),)
-            dk_temporaries += (tile,)  # the running weighted relu sum, for dk_scale
+            dk_inputs += (blocks["k_scale_t"],)
+            dk_scratch += (Buffer("dk_scale_acc", ("block_w", 1), F32),)
+            dk_temporaries += (tile_t,)  # the running weighted relu sum, for dk_scale
         kernels.append(
             KernelPlan(
                 name="dk",
                 grid=dk_grid,
-                scalar_prefetch=("w_lo", "w_hi", "q_lo", "q_hi"),
-                inputs=inputs + (blocks["g"],),
+                scalar_prefetch=q_block_ranges + ("q_lo", "q_hi"),
+                inputs=dk_inputs + (blocks["g"],),
                 outputs=(blocks["dk"],) + ((blocks["dk_scale"],) if scaled else ()),
                 scratch=dk_scratch,
                 temporaries=dk_temporaries,
@@ -262,6 +287,7 @@ def build(variant: Variant) -> VariantPlan:
         variant=variant,
         block_q=variant.block_q,
         block_w=variant.block_w,
+        compute_w=variant.compute_w,
         head_chunk=variant.head_chunk,
         sublanes=tiles.sublanes(narrowest),
         mxu_itemsize=mxu_itemsize,

@@ -8,11 +8,13 @@ from any directory.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import black
 import jinja2
 
+from codegen import masks
 from codegen.pipeline import Family
 from codegen.plan import VariantPlan
 
@@ -92,6 +94,9 @@ def render_family(family: Family) -> dict[str, str]:
                 compress_rate=spec.computation.compress_rate,
                 default_scale=repr(spec.computation.softmax_scale),
                 masked_value=_float_literal(spec.computation.masked_value),
+                masks_source="\n\n".join(
+                    inspect.getsource(f) for f in (masks.query_block_bounds, masks.block_kind)
+                ),
             )
         ),
     }

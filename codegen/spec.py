@@ -10,7 +10,7 @@ import math
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 Backend = Literal["tpu", "gpu"]
 QLayout = Literal["head_major", "seq_major"]
@@ -58,10 +58,31 @@ class Model(StrictModel):
 
 
 class Tiling(StrictModel):
-    """Rows of queries and compressed blocks per kernel tile."""
+    """Rows of queries and compressed blocks per kernel tile (a DMA's worth), and the compute width.
+
+    A DMA brings in a ``block_q x block_w`` tile; the kernels then step through it ``compute_w``
+    compressed blocks at a time (as ``flash_attention.py`` separates ``block_k_major`` from
+    ``block_k``), and a compute block that no query of the tile may see does no work at all. Big
+    transfers, fine-grained skipping. None: one compute block per tile.
+    """
 
     block_q: Annotated[int, Field(ge=1)]
     block_w: Annotated[int, Field(ge=1)]
+    compute_w: Annotated[int, Field(ge=1)] | None = None
+
+    @field_validator("compute_w")
+    @classmethod
+    def _divides_block_w(cls, value: int | None, info: ValidationInfo) -> int | None:
+        block_w = info.data.get("block_w")  # validated first; absent if it was invalid
+        if value is not None and block_w is not None and block_w % value:
+            raise ValueError(
+                f"must divide block_w = {block_w}: the kernels step through a tile in whole compute blocks"
+            )
+        return value
+
+    @property
+    def compute_width(self) -> int:
+        return self.compute_w or self.block_w
 
 
 class DtypePolicy(StrictModel):

@@ -39,6 +39,14 @@ def _tpu_problems(spec: FamilySpec, variant: Variant) -> list[Problem]:
                 f"must be a multiple of {tiles.LANES} on TPU (lanes of the output block)",
             )
         )
+    if variant.compute_w % tiles.LANES:
+        problems.append(
+            Problem(
+                f"{tiling}.compute_w",
+                variant.compute_w,
+                f"must be a multiple of {tiles.LANES} on TPU (lanes of a compute block's slice of the tile)",
+            )
+        )
     heads, head_dim, chunk = spec.model.num_heads, spec.model.head_dim, variant.head_chunk
     if chunk and heads % chunk:
         problems.append(

@@ -28,6 +28,9 @@ class Variant:
     tiling: str
     block_q: int
     block_w: int
+    compute_w: (
+        int  # compressed blocks per compute step inside a block_w tile (not in the name: a tiling has one)
+    )
     head_chunk: int
     backward: str
     origin: str  # spec path of the entry that asked for it, for error messages
@@ -62,6 +65,7 @@ class Variant:
             "qk_grad_dtype": self.policy.qk_grad_dtype,
             "block_q": self.block_q,
             "block_w": self.block_w,
+            "compute_w": self.compute_w,
             "head_chunk": self.head_chunk,
             "backward": self.backward,
         }
@@ -84,7 +88,14 @@ def _resolve(spec: FamilySpec, choice: dict, origin: str, problems: list[Problem
         )
     if policy is None or tiling is None:
         return None
-    return Variant(policy=policy, block_q=tiling.block_q, block_w=tiling.block_w, origin=origin, **choice)
+    return Variant(
+        policy=policy,
+        block_q=tiling.block_q,
+        block_w=tiling.block_w,
+        compute_w=tiling.compute_width,
+        origin=origin,
+        **choice,
+    )
 
 
 def _matches(selector: dict, variant: Variant) -> bool:

@@ -140,12 +140,27 @@ def pallas_calls(jaxpr):
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "pallas_call":
             yield eqn
-        for param in eqn.params.values():
-            inner = getattr(param, "jaxpr", param)
-            if hasattr(inner, "eqns"):
-                yield from pallas_calls(inner)
+        for inner in _sub_jaxprs(eqn):
+            yield from pallas_calls(inner)
 
 
 def kernel_name(eqn, variant_name: str) -> str:
     """The kernel a pallas_call equation runs ("forward", "dq_dweights", "dk"), from its name."""
     return str(getattr(eqn.params["name"], "name", eqn.params["name"])).removeprefix(variant_name + "_")
+
+
+def _sub_jaxprs(eqn):
+    for param in eqn.params.values():
+        for inner in param if isinstance(param, (tuple, list)) else (param,):
+            inner = getattr(inner, "jaxpr", inner)
+            if hasattr(inner, "eqns"):
+                yield inner
+
+
+def count_primitive(jaxpr, name: str) -> int:
+    """How many times primitive ``name`` appears in a jaxpr, every nested jaxpr (cond branches, kernel
+    bodies) included: what the traced program holds, whether or not a branch runs."""
+    return sum(
+        (eqn.primitive.name == name) + sum(count_primitive(j, name) for j in _sub_jaxprs(eqn))
+        for eqn in jaxpr.eqns
+    )

@@ -61,14 +61,16 @@ def test_seq_major_f32_small():
     # f32: one pass per matmul. 2 * 4194304 + 5*2*32*256 = 8388608 + 81920.
     assert (dq.flops, dq.mxu_flops) == (8470528, 8388608)
 
-    # dk grid (b, j, i) = (1, 2, 2): q, weights, kv, g follow i (innermost): 4 each; k and dk follow j: 2.
+    # dk reads the weights and bounds laid out along q: [2 heads, 16] f32 and [2, 16] int32, 128
+    # bytes each (VMEM [8, 128] 4096 each). Grid (b, j, i) = (1, 2, 2): q, weights_t, kv_bounds_t, g
+    # follow i (innermost): 4 each; k and dk follow j: 2.
     # HBM 4*16384 + 2*65536 + 4*128 + 4*128 + 4*8192 + 2*65536 = 361472.
     assert dk.grid == (1, 2, 2)
-    assert dk.fetches == {"q": 4, "k": 2, "weights": 4, "kv_bounds": 4, "g": 4, "dk": 2}
+    assert dk.fetches == {"q": 4, "k": 2, "weights_t": 4, "kv_bounds_t": 4, "g": 4, "dk": 2}
     assert dk.hbm_bytes == 361472
-    # VMEM: 2 * (106496 + 65536 dk) = 344064; accumulator [128, 128] f32 65536; 3 tiles 24576; the
-    # transposed [128, 16] f32 pads to [128, 128]: 65536. Total 499712.
-    assert dk.vmem_bytes == 499712
+    # VMEM: 2 * (16384 + 65536 + 4096 + 4096 + 8192 + 65536 dk) = 327680; accumulator [128, 128] f32
+    # 65536; 3 transposed f32 tiles [compute_w 128, block_q 16], each padded to [128, 128]: 196608.
+    assert dk.vmem_bytes == 589824
     assert (dk.flops, dk.mxu_flops) == (8388608 + 2 * 16384, 8388608)
 
 
@@ -85,9 +87,10 @@ def test_head_major_bf16_chunked():
     assert fwd.hbm_bytes == 6326272
     # Min: q 32*256*128*2 = 2097152, k 524288, weights 16384, kv 2048, out 256*2048*2 = 1048576.
     assert fwd.min_hbm_bytes == 3688448
-    # VMEM: 2 * (524288 + 262144 + 32768 + 65536 + 262144) = 2293760; accumulator + 2 f32 tiles 3*524288.
-    assert fwd.vmem_bytes == 3866624
-    assert fwd.vmem_bytes_unpadded == 2 * (524288 + 262144 + 4096 + 1024 + 262144) + 3 * 524288
+    # VMEM: 2 * (524288 + 262144 + 32768 + 65536 + 262144) = 2293760; the f32 [128, 1024] accumulator
+    # 524288; 2 f32 tiles of one compute block [128, 128]: 2 * 65536.
+    assert fwd.vmem_bytes == 2293760 + 524288 + 2 * 65536
+    assert fwd.vmem_bytes_unpadded == 2 * (524288 + 262144 + 4096 + 1024 + 262144) + 524288 + 2 * 65536
     # 2*32*256*2048*128 = 2**32 matmul, 3*32*256*2048 = 3 * 2**24 elementwise.
     assert (fwd.flops, fwd.mxu_flops) == (2**32 + 3 * 2**24, 2**32)
 
@@ -97,8 +100,8 @@ def test_head_major_bf16_chunked():
     assert dq.hbm_bytes == 8423424
     assert dq.min_hbm_bytes == 2097152 + 524288 + 16384 + 2048 + 1048576 + 2097152 + 16384
     # VMEM: 2 * (1146880 inputs + 524288 dq + 32768 dweights) = 3407872; f32 dq accumulator 1048576,
-    # dweights accumulator [128, 16] -> [128, 128] 65536, 3 f32 tiles 1572864. Total 6094848.
-    assert dq.vmem_bytes == 6094848
+    # dweights accumulator [128, 16] -> [128, 128] 65536, 3 f32 compute-block tiles [128, 128] 196608.
+    assert dq.vmem_bytes == 3407872 + 1048576 + 65536 + 196608
     # bf16: the dq matmul runs as a head and a tail pass: 3 * 2**32 MXU, 5 * 2**24 elementwise.
     assert (dq.flops, dq.mxu_flops, dq.useful_flops) == (
         3 * 2**32 + 5 * 2**24,
@@ -106,14 +109,17 @@ def test_head_major_bf16_chunked():
         2 * 2**32 + 5 * 2**24,
     )
 
-    # dk grid (b, j, i, c) = (1, 2, 2, 2): q, weights follow c: 8; kv, g follow i: 4; k, dk follow j: 2.
+    # dk reads weights_t [16 heads, 128] bf16 4096 (VMEM 4096) and kv_bounds_t [2, 128] int32 1024
+    # (VMEM [8, 128] 4096). Grid (b, j, i, c) = (1, 2, 2, 2): q, weights_t follow c: 8; kv_bounds_t,
+    # g follow i: 4; k, dk follow j: 2.
     # HBM 8*524288 + 2*262144 + 8*4096 + 4*1024 + 4*262144 + 2*262144 = 6328320.
     assert dk.grid == (1, 2, 2, 2)
+    assert dk.fetches == {"q": 8, "k": 2, "weights_t": 8, "kv_bounds_t": 4, "g": 4, "dk": 2}
     assert dk.hbm_bytes == 6328320
     assert dk.min_hbm_bytes == 2097152 + 524288 + 16384 + 2048 + 1048576 + 524288
-    # VMEM: 2 * (1146880 + 262144 dk) = 2818048; f32 [1024, 128] accumulator 524288, 3 tiles and the
-    # transposed [1024, 128] f32: 4 * 524288. Total 5439488.
-    assert dk.vmem_bytes == 5439488
+    # VMEM: 2 * (524288 + 262144 + 4096 + 4096 + 262144 + 262144 dk) = 2637824; f32 [1024, 128]
+    # accumulator 524288; 3 transposed f32 compute-block tiles [128, 128]: 196608.
+    assert dk.vmem_bytes == 2637824 + 524288 + 196608
     assert (dk.flops, dk.mxu_flops) == (3 * 2**32 + 2 * 2**24, 3 * 2**32)
 
 
@@ -194,10 +200,10 @@ def test_tiling_matches_generated_modules():
 
 
 def test_vmem_footprints_are_full_tiles():
-    assert cost.vmem_footprints(HM_BF16, 32, 128) == {
-        "forward": 3866624,
-        "dq_dweights": 6094848,
-        "dk": 5439488,
+    assert cost.vmem_footprints(HM_BF16, 32, 128) == {  # see test_head_major_bf16_chunked
+        "forward": 2293760 + 524288 + 2 * 65536,
+        "dq_dweights": 3407872 + 1048576 + 65536 + 196608,
+        "dk": 2637824 + 524288 + 196608,
     }
 
 
@@ -240,14 +246,16 @@ def test_float8_keys_with_scale():
     assert fwd.blocks["k_scale"] == (1, 1024) and fwd.fetches["k_scale"] == 4
     assert fwd.hbm_bytes == 8 * 262144 + 4 * 131072 + 8 * 4096 + 2 * 1024 + 4 * 4096 + 4 * 262144
     # VMEM: 2 * (262144 + 131072 + 32768 + 65536 + k_scale [1 -> 8, 1024] f32 32768 + 262144) = 1572864;
-    # 3 f32 tiles 1572864; bf16 upcasts of a q head [128, 128] 32768 and of k [1024, 128] 262144.
-    assert fwd.vmem_bytes == 1572864 + 1572864 + 32768 + 262144
+    # the f32 accumulator [128, 1024] 524288 and 2 f32 compute-block tiles [128, 128] 131072; bf16
+    # upcasts of a q head [128, 128] 32768 and of a compute block of k [128, 128] 32768.
+    assert fwd.vmem_bytes == 1572864 + 524288 + 131072 + 32768 + 32768
     # Min bytes of dq_dweights: q 32*256*128*1 = 1048576, k 262144, weights 16384, kv 2048, k_scale 2048*4,
     # g 1048576, dq in bf16 2097152, dweights 16384.
     assert dq.fetches["dq"] == 4
     assert dq.min_hbm_bytes == 1048576 + 262144 + 16384 + 2048 + 8192 + 1048576 + 2097152 + 16384
-    # dk: q 8 x 262144, k 2 x 131072, weights 8 x 4096, kv 4 x 1024, k_scale 2 x 4096, g 4 x 262144;
-    # writes dk [1024, 128] bf16 262144 and dk_scale [1, 1024] f32 4096, twice each.
+    # dk: q 8 x 262144, k 2 x 131072, weights_t 8 x 4096, kv_bounds_t 4 x 1024, the key scales as a
+    # column k_scale_t [1024, 1] f32 2 x 4096, g 4 x 262144; writes dk [1024, 128] bf16 262144 and
+    # dk_scale [1024, 1] f32 4096, twice each.
     assert dk.fetches["dk"] == 2 and dk.fetches["dk_scale"] == 2
     assert dk.hbm_bytes == (
         8 * 262144 + 2 * 131072 + 8 * 4096 + 4 * 1024 + 2 * 4096 + 4 * 262144 + 2 * 262144 + 2 * 4096

@@ -61,7 +61,9 @@ def test_targets_decide_the_budget():
             )
         )
 
-    big = plan.build(dataclasses.replace(family().plan(PRODUCTION).variant, block_q=512, block_w=8192))
+    big = plan.build(
+        dataclasses.replace(family().plan(PRODUCTION).variant, block_q=512, block_w=8192, compute_w=8192)
+    )
     footprint = cost.vmem_footprints(big, num_heads=64, head_dim=128)
     assert 64 * 2**20 < max(footprint.values()) * 1.25 < 128 * 2**20
     with pytest.raises(SpecError, match="more than v5p 64 MiB, 7x 64 MiB"):
@@ -106,9 +108,20 @@ def test_explain_json_and_causal(capsys):
     full = {row["kernel"]: row for row in json.loads(capsys.readouterr().out)}
     assert cli.main(args + ["--causal"]) == 0
     causal = {row["kernel"]: row for row in json.loads(capsys.readouterr().out)}
-    # Causal at S = 8192, W = 2048 with 128 x 1024 tiles: 96 of 128 tiles have work.
-    assert causal["forward"]["mxu_flops"] == full["forward"]["mxu_flops"] * 96 // 128
-    assert causal["forward"]["vpu_ops"] == full["forward"]["vpu_ops"] * 96 // 128
+    # Causal at S = 8192, W = 2048 with 128 x 1024 DMA tiles computed 128 blocks at a time: q block i
+    # (positions 128i .. 128i + 127) sees blocks [0, 32i + 32) at most and [0, 32i) in every query, so
+    # of its 16 compute blocks ceil((i + 1) / 4) have work and floor(i / 4) are full: over i < 64,
+    # 544 with work (0.53125 of 1024), 480 full, 64 partial; 96 of the 128 DMA tiles have work.
+    blocks = {"empty": 480, "full": 480, "partial": 64, "tiles_with_work": 96, "tiles": 128}
+    partial_entries, chunks = 64 * 128 * 128, 64 // 16
+    for kernel in ("forward", "dq_dweights", "dk"):
+        assert causal[kernel]["compute_blocks"] == blocks
+        assert causal[kernel]["mxu_flops"] == full[kernel]["mxu_flops"] * 544 // 1024
+        assert causal[kernel]["mxu_vs_unmasked"] == 0.53125
+        # The per-head elementwise work goes with the MXU work; a mask (6 ops an entry) is built in
+        # the partial blocks only: once in the forward, per head chunk in the backward kernels.
+        masks = 6 * partial_entries * (1 if kernel == "forward" else chunks)
+        assert causal[kernel]["vpu_ops"] == full[kernel]["vpu_ops"] * 544 // 1024 + masks
     assert causal["dk"]["hbm_bytes"] < full["dk"]["hbm_bytes"]
 
 

@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from generated.csa_v4 import VARIANTS, causal_kv_range, tile_ranges
+from generated.csa_v4 import VARIANTS, block_kind, causal_kv_range, tile_ranges
 from tests import support
 
-MASKED_SHAPE = (4, 32, 45, 128, 1100)  # B = 4: one visibility pattern per batch element; > 1 tile of W
+MASKED_SHAPE = (4, 16, 45, 128, 1100)  # B = 4: one visibility pattern per batch element; > 1 tile of W
 TOP_K = 8
 
 
@@ -66,19 +66,25 @@ def _skippable_tiles(kv_start, kv_end, block_q, block_w, num_w_blocks):
 
 def test_masked_gradients_and_skipped_tiles(module):
     """Gradients with masks against the reference VJP, with a cotangent that is non-zero on masked
-    entries too. With the fused backward, keys in tiles the kernels must skip are NaN: any matmul
-    on them would leak NaN into dq, so finite gradients show those tiles were skipped (and
-    contribute nothing). The reference backward has no tiles to skip: it gets finite keys."""
+    entries too. With the fused backward, keys in compute blocks the kernels must skip (for every q
+    block) are NaN: any matmul on them would leak NaN into dq, so finite gradients show those
+    blocks were skipped (and contribute nothing), inside DMA tiles that have work too. The
+    reference backward has no blocks to skip: it gets finite keys."""
     name = module.VARIANT["name"]
     variant = module.VARIANT
     batch, _, seq_len, _, num_blocks = MASKED_SHAPE
     q, k, weights = support.make_inputs(variant, MASKED_SHAPE, seed=23)
     kv_start, kv_end = support.mask_batch(seq_len, num_blocks, seed=24)
     block_q, block_w = module.tiles(seq_len, num_blocks)
-    num_w_blocks = -(-num_blocks // block_w)
-    skippable = _skippable_tiles(kv_start, kv_end, block_q, block_w, num_w_blocks)
-    assert skippable.any(), "the masks should leave some tile to skip"
-    poisoned = np.repeat(skippable, block_w, axis=1)[:, :num_blocks]  # [B, W]
+    compute_w = module.COMPUTE_W
+    skippable = _skippable_tiles(kv_start, kv_end, block_q, compute_w, -(-num_blocks // compute_w))
+    assert skippable.any(), "the masks should leave some compute block to skip"
+    if compute_w < block_w:  # some skipped compute block lies in a DMA tile that has work
+        tiles_with_work = ~_skippable_tiles(kv_start, kv_end, block_q, block_w, -(-num_blocks // block_w))
+        assert (
+            skippable & np.repeat(tiles_with_work, block_w // compute_w, axis=1)[:, : skippable.shape[1]]
+        ).any()
+    poisoned = np.repeat(skippable, compute_w, axis=1)[:, :num_blocks]  # [B, W]
     poisoned &= variant["backward"] == "fused"
     k_poisoned = jnp.where(poisoned[..., None], jnp.nan, k).astype(k.dtype)
 
@@ -122,9 +128,10 @@ def test_tile_ranges_match_brute_force(module):
     seq_pad = -(-seq_len // block_q) * block_q
     num_w_blocks = -(-num_blocks // block_w)
     pad = lambda x: jnp.pad(jnp.clip(x, 0, num_blocks), ((0, 0), (0, seq_pad - seq_len)))
-    w_lo, w_hi, q_lo, q_hi = map(
-        np.asarray, tile_ranges(pad(kv_start), pad(kv_end), block_q, block_w, num_w_blocks)
-    )
+    ranges = tile_ranges(pad(kv_start), pad(kv_end), block_q, block_w, num_w_blocks)
+    batch = kv_start.shape[0]
+    w_lo, w_hi = (np.asarray(x).reshape(batch, -1) for x in (ranges.w_lo, ranges.w_hi))
+    q_lo, q_hi = (np.asarray(x).reshape(batch, -1) for x in (ranges.q_lo, ranges.q_hi))
     skippable = _skippable_tiles(kv_start, kv_end, block_q, block_w, num_w_blocks)
     blocks = np.arange(num_w_blocks)
     active = (w_lo[..., None] <= blocks) & (blocks < w_hi[..., None])  # [B, q blocks, w blocks]
@@ -132,6 +139,36 @@ def test_tile_ranges_match_brute_force(module):
     for b, j in zip(*np.nonzero(active.any(axis=1))):
         rows = np.nonzero(active[b, :, j])[0]
         assert (q_lo[b, j], q_hi[b, j]) == (rows.min(), rows.max() + 1)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["random_ranges", "causal"])
+def test_compute_block_kinds_match_brute_force(module, causal):
+    """Every (q block, compute block) the kernels call full is fully visible and every one they call
+    empty is invisible, against the [S, W] visibility matrix; under a causal mask (contiguous ranges)
+    the kernels call empty exactly the invisible ones, so no compute block with no work runs."""
+    seq_len, num_blocks = 300, 700
+    if causal:
+        kv_start, kv_end = causal_kv_range(jnp.arange(4 * seq_len, step=4)[None] + 3, 4)
+    else:
+        kv_start, kv_end = support.mask_batch(seq_len, num_blocks, seed=28)
+    block_q, block_w = module.tiles(seq_len, num_blocks)
+    compute_w = module.COMPUTE_W
+    seq_pad, blocks_pad = -(-seq_len // block_q) * block_q, -(-num_blocks // block_w) * block_w
+    pad = lambda x: jnp.pad(jnp.clip(x, 0, num_blocks), ((0, 0), (0, seq_pad - seq_len)))
+    ranges = tile_ranges(pad(kv_start), pad(kv_end), block_q, block_w, blocks_pad // block_w)
+    bounds = [np.asarray(x)[:, None] for x in (ranges.any_lo, ranges.any_hi, ranges.all_lo, ranges.all_hi)]
+    lo = np.arange(0, blocks_pad, compute_w)[None]
+    empty, full = (np.asarray(x) for x in block_kind(*bounds, lo, lo + compute_w))
+    columns = np.arange(blocks_pad)
+    seen = (np.asarray(pad(kv_start))[..., None] <= columns) & (columns < np.asarray(pad(kv_end))[..., None])
+    batch = seen.shape[0]
+    seen = seen.reshape(batch * seq_pad // block_q, block_q, blocks_pad // compute_w, compute_w)
+    truly_empty, truly_full = ~seen.any(axis=(1, 3)), seen.all(axis=(1, 3))
+    assert np.array_equal(full, truly_full)
+    assert not (empty & ~truly_empty).any()
+    if causal:
+        assert np.array_equal(empty, truly_empty)
+        assert full.any() and (~empty & ~full).any() and empty.any()  # all three kinds occur
 
 
 @pytest.mark.parametrize("rate", [4, 128])
@@ -175,9 +212,9 @@ def test_kernels_use_scalar_prefetch(module):
         return jnp.sum(support.call(module, q, k, weights).astype(jnp.float32))
 
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, weights)
-    expected = {"forward": 2, "dq_dweights": 2, "dk": 4}
+    expected = {"forward": 6, "dq_dweights": 6, "dk": 8}
     if module.VARIANT["backward"] == "reference":
-        expected = {"forward": 2}
+        expected = {"forward": 6}
     found = {
         support.kernel_name(e, name): e.params["grid_mapping"].num_index_operands
         for e in support.pallas_calls(jaxpr.jaxpr)

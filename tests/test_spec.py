@@ -50,6 +50,14 @@ CASES = {
         _set("tilings.small.block_w", 100),
         ["tilings.small.block_w = 100", "multiple of 128 on TPU"],
     ),
+    "compute_w_not_dividing_block_w": (
+        _set("tilings.prod.compute_w", 384),
+        ["tilings.prod.compute_w = 384", "must divide block_w = 1024"],
+    ),
+    "compute_w_not_lane_multiple": (
+        _set("tilings.prod.compute_w", 64),
+        ["tilings.prod.compute_w = 64", "multiple of 128 on TPU"],
+    ),
     "block_q_not_sublane_multiple": (
         _set("tilings.prod.block_q", 100),
         ["tilings.prod.block_q = 100", "multiple of 8 on TPU"],

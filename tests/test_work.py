@@ -1,5 +1,6 @@
 """The work model against the MXU work the kernels really execute (counted as each dot runs, in a
-fresh process: see ``tests/mxu_counter.py``), unmasked and under a causal mask."""
+fresh process: see ``tests/mxu_counter.py``), unmasked and under a causal mask; and the work the
+production tiling leaves at the DeepSeek-V4 causal prefill shape."""
 
 from __future__ import annotations
 
@@ -8,30 +9,32 @@ import os
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from codegen import cost
-from generated.csa_v4 import VARIANTS, causal_kv_range, tile_ranges
+from generated.csa_v4 import VARIANTS
+from tests import support
 from tests.spec_cases import ROOT, family
 
-# One head chunk of 16 and two w tiles: causal CSA (S queries see at most S / 4 blocks) leaves the
-# second w tile with no work for every q block.
+PRODUCTION = "tpu_hm_bf16_q128_w1024_hc16"
+# Causal CSA (S queries see at most S / 4 blocks) leaves compute blocks with no work: with one head
+# chunk of 16 and the small tiling, whole w tiles; with the production tiling, compute blocks inside
+# its 1024-wide DMA tile (S = 1024 sees up to 256 of 1024 blocks: 2 of 8 compute blocks at most).
 SHAPES = {
     "tpu_hm_bf16_q16_w128_hc16": (1, 16, 64, 64, 256),
     "tpu_sm_f32_q16_w128_hcall": (1, 16, 64, 64, 256),
     "tpu_sm_fp8_q128_w1024_hc16": (1, 16, 256, 64, 2048),
+    PRODUCTION: (1, 16, 1024, 8, 1024),
 }
 
 
-def _active_fraction(module, shape) -> float:
-    """The share of tiles the kernels' own scalar-prefetch ranges give work under the causal mask."""
-    batch, _, seq_len, _, num_blocks = shape
-    kv_start, kv_end = causal_kv_range(jnp.broadcast_to(jnp.arange(seq_len), (batch, seq_len)))
-    block_q, block_w = module.tiles(seq_len, num_blocks)
-    num_w_blocks = -(-num_blocks // block_w)
-    w_lo, w_hi, _, _ = tile_ranges(kv_start, jnp.clip(kv_end, 0, num_blocks), block_q, block_w, num_w_blocks)
-    return float(np.sum(np.asarray(w_hi) - np.asarray(w_lo))) / (w_lo.size * num_w_blocks)
+def _model(name, shape, kinds):
+    """MXU FLOPs of the forward and of forward + gradient (grad runs the forward too), from the plan."""
+    flops = {c.kernel: c.mxu_flops for c in cost.variant_costs(family().plan(name), shape, kinds)}
+    return {"forward": flops["forward"], "gradient": sum(flops.values())}
 
 
 def test_executed_mxu_work_is_the_plans_work_model():
@@ -51,13 +54,43 @@ def test_executed_mxu_work_is_the_plans_work_model():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     executed = json.loads(result.stdout.splitlines()[-1])
+    rate = family().spec.computation.compress_rate
     for name, shape in SHAPES.items():
-        the_plan = family().plan(name)
-        model = {c.kernel: c.mxu_flops for c in cost.variant_costs(the_plan, shape)}
-        expected = {"forward": model["forward"], "gradient": sum(model.values())}  # grad runs the forward too
-        assert executed[name]["unmasked"] == expected, name
-        fraction = _active_fraction(VARIANTS[name], shape)
-        assert 0 < fraction < 1, name  # the mask must leave tiles to skip, or this checks nothing
-        assert executed[name]["causal"] == {
-            kind: int(flops * fraction) for kind, flops in expected.items()
-        }, name
+        t = cost.tiling(family().plan(name), shape)
+        assert executed[name]["unmasked"] == _model(name, shape, None), name
+        kinds = cost.causal_kinds(t, rate)
+        assert kinds.empty and kinds.work, name  # the mask must leave blocks to skip, or this checks nothing
+        assert executed[name]["causal"] == _model(name, shape, kinds), name
+    # Inside one DMA tile: the production tiling skips compute blocks, not only whole tiles.
+    kinds = cost.causal_kinds(cost.tiling(family().plan(PRODUCTION), SHAPES[PRODUCTION]), rate)
+    assert kinds.tiles_with_work == kinds.tiles and kinds.empty > 0
+
+
+def test_causal_prefill_at_the_production_tiling_leaves_at_most_055_of_the_work():
+    """DeepSeek-V4 prefill, S = 8192, W = 2048, causal: the executed-work model (held to the executed
+    count above) against the same call unmasked, per kernel, for the production DMA tiling."""
+    shape = (1, 64, 8192, 128, 2048)
+    the_plan = family().plan(PRODUCTION)
+    kinds = cost.causal_kinds(cost.tiling(the_plan, shape), family().spec.computation.compress_rate)
+    masked, unmasked = _model(PRODUCTION, shape, kinds), _model(PRODUCTION, shape, None)
+    ratios = {kind: masked[kind] / unmasked[kind] for kind in masked}
+    assert all(ratio <= 0.55 for ratio in ratios.values()), ratios
+    assert np.isclose(ratios["forward"], 0.53125), ratios  # 544 of 1024 (q block, compute block) pairs
+
+
+@pytest.mark.parametrize("name", sorted(n for n, m in VARIANTS.items() if m.VARIANT["backward"] == "fused"))
+def test_the_dk_kernel_transposes_the_cotangent_once_per_compute_block(name):
+    """dk computes transposed logits (k . q_h^T), so no tile is transposed per head: the traced dk
+    kernel holds one transpose per compute block (of the cotangent), whatever the number of heads."""
+    module = VARIANTS[name]
+    found = {}
+    for heads in (16, 32):
+        shape = (1, heads, 40, 128, 300)
+        q, k, weights = support.make_inputs(module.VARIANT, shape, seed=0)
+        loss = lambda q, k, weights: jnp.sum(support.call(module, q, k, weights).astype(jnp.float32))
+        jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, weights)
+        [dk] = [e for e in support.pallas_calls(jaxpr.jaxpr) if support.kernel_name(e, name) == "dk"]
+        found[heads] = support.count_primitive(dk.params["jaxpr"], "transpose")
+    _, block_w = module.tiles(40, 300)
+    compute_blocks = block_w // module.COMPUTE_W
+    assert found == {16: compute_blocks, 32: compute_blocks}, found
