@@ -220,3 +220,17 @@ def test_kernels_use_scalar_prefetch(module):
         for e in support.pallas_calls(jaxpr.jaxpr)
     }
     assert found == expected
+
+
+def test_scalar_prefetch_stays_far_below_smem_at_the_largest_context():
+    """At 1M tokens (S = 1048576, W = 262144, the README's largest claim), the production tiling's
+    scalar-prefetch arrays, every kernel's together, fill under a fifth of SMEM's 1 MiB: no table per
+    (q block, compute block), a few int32 per q block and per w tile."""
+    module = VARIANTS["tpu_hm_bf16_q128_w1024_hc16"]
+    seq_len, num_blocks = 2**20, 2**18
+    kv_start, kv_end = causal_kv_range(jnp.arange(seq_len)[None], 4)
+    block_q, block_w = module.tiles(seq_len, num_blocks)
+    ranges = tile_ranges(kv_start, kv_end, block_q, block_w, num_blocks // block_w)
+    assert all(x.ndim == 1 and x.dtype == jnp.int32 for x in ranges)  # flat: no (8, 128) SMEM tile padding
+    assert sum(x.nbytes for x in ranges) == 4 * (6 * seq_len // 128 + 2 * num_blocks // 1024)
+    assert sum(x.nbytes for x in ranges) < 2**20 // 5
