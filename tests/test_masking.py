@@ -66,7 +66,7 @@ def _skippable_tiles(kv_start, kv_end, block_q, block_w, num_w_blocks):
 
 def test_masked_gradients_and_skipped_tiles(module):
     """Gradients with masks against the reference VJP, with a cotangent that is non-zero on masked
-    entries too. With the fused backward, keys in compute blocks the kernels must skip (for every q
+    entries too, and the same call twice bitwise identical. With the fused backward, keys in compute blocks the kernels must skip (for every q
     block) are NaN: any matmul on them would leak NaN into dq, so finite gradients show those
     blocks were skipped (and contribute nothing), inside DMA tiles that have work too. The
     reference backward has no blocks to skip: it gets finite keys."""
@@ -94,6 +94,10 @@ def test_masked_gradients_and_skipped_tiles(module):
     score = functools.partial(support.call, module, kv_start=kv_start, kv_end=kv_end, interpret=True)
     out, vjp = jax.vjp(score, q, k_poisoned, weights)
     grads = vjp(cotangent)
+    # Determinism: the same call again gives the forward and every gradient bit for bit.
+    again_out, again_vjp = jax.vjp(score, q, k_poisoned, weights)
+    for first, second in zip((out, *grads), (again_out, *again_vjp(cotangent))):
+        assert np.array_equal(np.asarray(first).view(np.uint8), np.asarray(second).view(np.uint8))
     # The reference sees the unpoisoned keys: the poisoned ones are never visible.
     expected_out = support.reference_score(variant, q, k, weights, kv_start=kv_start, kv_end=kv_end)
     ref_grads = support.reference_grads(variant, q, k, weights, cotangent, kv_start=kv_start, kv_end=kv_end)
