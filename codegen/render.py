@@ -13,6 +13,7 @@ import math
 import black
 import jinja2
 
+from codegen import budget
 from codegen.pipeline import Family
 from codegen.plan import VariantPlan
 
@@ -73,6 +74,16 @@ def render_variant(env: jinja2.Environment, family: Family, plan: VariantPlan) -
     return format_source(source)
 
 
+def _sparse_vmem(family: Family) -> dict:
+    """The VMEM facts the sparse kernels' resident route is sized by: the smallest capacity, and the
+    smallest default scoped limit, of the spec's TPU targets."""
+    chosen = budget.targets(family.spec, "tpu")
+    return dict(
+        sparse_vmem_capacity=f"{min(c.vmem_bytes for c in chosen)}  # {', '.join(c.name for c in chosen)}",
+        sparse_scoped_default=min(c.scoped_vmem_default_bytes for c in chosen),
+    )
+
+
 def render_family(family: Family) -> dict[str, str]:
     """Every file of the family, keyed by its path relative to the output root (``generated/``)."""
     env = environment()
@@ -92,6 +103,7 @@ def render_family(family: Family) -> dict[str, str]:
                 compress_rate=spec.computation.compress_rate,
                 default_scale=repr(spec.computation.softmax_scale),
                 masked_value=_float_literal(spec.computation.masked_value),
+                **_sparse_vmem(family),
             )
         ),
     }

@@ -328,6 +328,194 @@ def _backward(softmax_scale, interpret, out_dtype, residuals, g):
     return dq, dk, dweights, None, None, None
 
 
+# The sparse score: per query, only the top_k blocks of ``indices``. Blocking: grid (batch, q block of
+# _runtime.SPARSE_BLOCK_Q queries), nothing of the variant's BLOCK_Q x BLOCK_W tiling or head chunk;
+# k of one batch element is one resident VMEM block (fetched once per b), and per query the kernel
+# gathers its top_k rows into VMEM scratch and contracts all heads at once: [top_k, D] x [H, D]^T,
+# a [top_k, H] tile of logits. MXU work: B * S_pad * top_k_pad * H * D per pass, never W.
+# A query's slots are a column ([top_k, 1], like the logits' rows): the score and its cotangent
+# travel as columns (_runtime.to_columns).
+# Gathered rows in jnp.float32.
+SPARSE_GATHER_DTYPE = jnp.float32
+SPARSE_BACKWARD_GATHER_DTYPE = jnp.float32
+SPARSE_BACKWARD_PRECISION = MATMUL_PRECISION
+# MXU passes of a [top_k, H, D] matmul per kernel: the forward's logits; the backward's logits, dq and
+# dk.
+SPARSE_WORK = {"forward": 1, "backward": 3}
+
+
+def _sparse_query(q_ref, s, dtype):
+    """Query ``s`` of the q block, all heads: ``[H, D]`` in ``dtype`` (a no-op, or an exact upcast)."""
+    return q_ref[s].astype(dtype)
+
+
+def _sparse_logits(gathered, q_s, precision):
+    """gathered [top_k, D] . q_s [H, D]^T in float32: every head's logits of one query's selected blocks."""
+    return jax.lax.dot_general(
+        gathered,
+        q_s,
+        _runtime.CONTRACT_LAST,
+        precision=precision,
+        preferred_element_type=_runtime.ACCUM_DTYPE,
+    )
+
+
+def _sparse_forward_kernel(rows_ref, q_ref, k_ref, weights_ref, out_ref, gathered_ref, *, softmax_scale):
+    """Scores of SPARSE_BLOCK_Q queries, one column each: softmax_scale * sum_h weights_h * relu(logits)."""
+    for s in range(_runtime.SPARSE_BLOCK_Q):
+        _runtime.gather_rows(rows_ref, k_ref, gathered_ref, s)
+        logits = _sparse_logits(
+            gathered_ref[...], _sparse_query(q_ref, s, gathered_ref.dtype), MATMUL_PRECISION
+        )
+        weights = weights_ref[s : s + 1, :]  # [1, H]
+        out_ref[:, s : s + 1] = softmax_scale * jnp.sum(
+            jnp.maximum(logits, 0.0) * weights, axis=1, keepdims=True
+        )
+
+
+def _sparse_backward_kernel(
+    rows_ref, q_ref, k_ref, weights_ref, g_ref,  # inputs
+    dq_ref, dweights_ref, dk_ref,  # outputs
+    gathered_ref, dk_gathered_ref,  # scratch
+    *, softmax_scale,
+):  # fmt: skip
+    """dq and dweights of SPARSE_BLOCK_Q queries; their dk rows added into the resident float32 dk
+    block, which is the output itself: its index follows b only, the q-block axis is "arbitrary"."""
+
+    @pl.when(pl.program_id(1) == 0)
+    def _zero():
+        dk_ref[...] = jnp.zeros_like(dk_ref)
+
+    for s in range(_runtime.SPARSE_BLOCK_Q):
+        _runtime.gather_rows(rows_ref, k_ref, gathered_ref, s)
+        gathered = gathered_ref[...]
+        q_s = _sparse_query(q_ref, s, gathered.dtype)
+        logits = _sparse_logits(gathered, q_s, SPARSE_BACKWARD_PRECISION)  # [top_k, H]
+        g = g_ref[:, s : s + 1]  # [top_k, 1]: zero at empty slots
+        weights = weights_ref[s : s + 1, :]  # [1, H]
+        activated = jnp.maximum(logits, 0.0)
+        dweights_ref[s : s + 1, :] = softmax_scale * jnp.sum(g * activated, axis=0, keepdims=True)
+        dlogits = _runtime.dlogits(logits, g, weights)  # [top_k, H]
+        dq_ref[s] = softmax_scale * _runtime.sparse_matmul(
+            dlogits, gathered, _runtime.CONTRACT_FIRST, SPARSE_BACKWARD_PRECISION
+        )
+        dk_gathered_ref[...] = _runtime.sparse_matmul(
+            dlogits, q_s, _runtime.CONTRACT_INNER, SPARSE_BACKWARD_PRECISION
+        )
+        _runtime.scatter_add_rows(rows_ref, dk_ref, dk_gathered_ref, s)
+
+
+def _sparse_forward(q, k, weights, indices, k_scale, softmax_scale, interpret):
+    """The sparse score in float32: one pallas_call, then the empty slots masked."""
+    x = _runtime.sparse_prepare(VARIANT, q, k, weights, indices, k_scale, SPARSE_GATHER_DTYPE)
+    (out,) = _runtime.sparse_call(
+        functools.partial(_sparse_forward_kernel, softmax_scale=softmax_scale),
+        x,
+        inputs={
+            "rows": ("rows", x.rows),
+            "q": ("q", x.q),
+            "k": ("k", x.k),
+            "weights": ("weights", x.weights),
+        },
+        outputs={"out": ("columns", (_runtime.to_columns_shape(x), jnp.float32))},
+        scratch=[pltpu.VMEM((x.top_k_pad, x.head_dim), SPARSE_GATHER_DTYPE)],
+        semantics=("parallel", "parallel"),
+        work=SPARSE_WORK["forward"] * _runtime.sparse_flops(x),
+        name=f"{VARIANT['name']}_sparse_forward",
+        interpret=interpret,
+    )
+    out = _runtime.from_columns(out, x.seq_len, x.top_k)
+    return jnp.where(x.valid, out, _runtime.MASKED_VALUE).astype(VARIANT["out_dtype"])
+
+
+def _sparse_backward(softmax_scale, interpret, q, k, weights, indices, k_scale, g):
+    """dq, dk, dweights from one pallas_call; dk never exists per slot in HBM."""
+    x = _runtime.sparse_prepare(VARIANT, q, k, weights, indices, k_scale, SPARSE_BACKWARD_GATHER_DTYPE)
+    g = jnp.where(x.valid, g.astype(jnp.float32), 0.0)  # empty slots get no gradient, whatever g holds there
+    results = _runtime.sparse_call(
+        functools.partial(_sparse_backward_kernel, softmax_scale=softmax_scale),
+        x,
+        inputs={
+            "rows": ("rows", x.rows), "q": ("q", x.q), "k": ("k", x.k), "weights": ("weights", x.weights),
+            "g": ("columns", _runtime.to_columns(g, x.seq_pad, x.top_k_pad)),
+        },
+        outputs={
+            "dq": ("q", (x.q.shape, jnp.float32)),
+            "dweights": ("weights", (x.weights.shape, jnp.float32)),
+            "dk": ("k", (x.k.shape, jnp.float32)),
+        },
+        scratch=[
+            pltpu.VMEM((x.top_k_pad, x.head_dim), SPARSE_BACKWARD_GATHER_DTYPE),
+            pltpu.VMEM((x.top_k_pad, x.head_dim), jnp.float32),
+        ],
+        semantics=("parallel", "arbitrary"),
+        work=SPARSE_WORK["backward"] * _runtime.sparse_flops(x),
+        name=f"{VARIANT['name']}_sparse_backward",
+        interpret=interpret,
+    )  # fmt: skip
+    dq, dweights, dk = results[:3]
+    grad_dtype = jnp.dtype(VARIANT["qk_grad_dtype"])
+    dq = _runtime.crop_to(dq, (x.batch, x.seq_len, x.num_heads, x.head_dim))
+    dweights = _runtime.crop_to(dweights, (x.batch, x.seq_len, x.num_heads)).astype(weights.dtype)
+    dk = softmax_scale * dk
+    return dq.astype(grad_dtype), dk.astype(grad_dtype), dweights, None
+
+
+_sparse_score = _runtime.differentiable_sparse_score(VARIANT, _sparse_forward, _sparse_backward)
+
+
+def sparse_score(q, k, weights, indices, *, k_scale=None, softmax_scale=None, interpret=False):
+    """Returns the ``[B, S, top_k]`` float32 score of each query against its selected blocks.
+
+    ``out[b, s, j] = score[b, s, indices[b, s, j]]``, -inf where the index is -1 or outside
+    [0, W) (both mean "no block"). Differentiable in q, k and weights: duplicate
+    indices add up, empty slots get no gradient. Nothing of size W per query is computed.
+
+    Args:
+      q, k, weights, softmax_scale, interpret: as for ``score``.
+      indices: integer [B, S, top_k] block indices, e.g. from ``topk_indices``.
+
+    Kernels: a forward and one backward pallas_call over the grid (batch, q block of
+    _runtime.SPARSE_BLOCK_Q queries). Per query: top_k rows of k gathered from the VMEM-resident
+    k into scratch (one dynamic row read each), all heads contracted in one [top_k, D] x [D, H]
+    matmul; the backward adds each slot's dk row into a float32 dk resident in VMEM (one dynamic
+    row += each) and writes dq and dweights per query. Indices come in per q block through SMEM.
+    MXU work per kernel: SPARSE_WORK passes of B * S * top_k * H * D multiply-adds.
+
+    The one route keeps k and the float32 dk of one batch element in VMEM: at D = 128 that is
+    W * 1.5 KiB for bfloat16 k (2 KiB for float32; double-buffered), so the smallest target
+    (_runtime.SPARSE_VMEM_CAPACITY_BYTES) holds W up to ~30000 bfloat16 keys (~23000 float32).
+    Beyond it, a ValueError naming W and the limit is raised before anything is traced.
+    Verified only by lowering (Mosaic's TPU lowering, run on a CPU by the tests), never run on a
+    TPU: the dynamic single-row reads and writes of float32 rows and the SMEM index blocks;
+    in interpret mode the kernels are checked against the reference.
+    """
+    return _sparse_score(
+        q, k, weights, indices, k_scale=k_scale, softmax_scale=softmax_scale, interpret=interpret
+    )
+
+
+def indexer_loss(
+    q, k, weights, target, *, indices=None, kv_start=None, kv_end=None, k_scale=None, softmax_scale=None,
+    interpret=False,
+):  # fmt: skip
+    """DeepSeek's indexer loss: the float32 mean, over queries whose set is non-empty and holds target
+    mass, of ``KL(target || softmax(score))`` over the set, the target renormalised on it.
+
+    Dense (``indices=None``): ``target`` is [B, S, W], the set is the blocks visible through
+    ``kv_start``/``kv_end``, and the score is ``score``'s. Sparse: ``target`` is [B, S, top_k], aligned
+    with ``indices``, the set is the slots whose index lies in [0, W) (and in [kv_start, kv_end) where
+    given), and the score is ``sparse_score``'s; a block selected twice is two entries of the set.
+    The log-softmax is float32; ``target`` is a constant (no gradient), taken as non-negative.
+    Differentiable in q, k and weights. A row whose set is empty, or whose target has no mass on it,
+    adds 0 and is not counted; with no counted row the loss is 0, never NaN.
+    """
+    return _runtime.indexer_loss(
+        score, sparse_score, q, k, weights, target, indices=indices, kv_start=kv_start, kv_end=kv_end,
+        k_scale=k_scale, softmax_scale=softmax_scale, interpret=interpret,
+    )  # fmt: skip
+
+
 # The call contract (checks, the defaults filled in) and the differentiable score over this module's
 # kernels; shared by every variant, in _runtime.
 _check = functools.partial(_runtime.check_call, VARIANT)
