@@ -994,9 +994,10 @@ def sparse_call(kernel, x, *, inputs, outputs, scratch, semantics, work, name, i
     )(*(a for _, a in inputs.values()))
 
 
-def differentiable_sparse_score(variant, forward, backward):
+def differentiable_sparse_score(variant, forward, backward, gather_dtypes):
     """A variant's ``sparse_score`` over its two kernels: a ``jax.custom_vjp`` whose residuals are the
-    inputs only (the backward gathers and recomputes the logits)."""
+    inputs only (the backward gathers and recomputes the logits). ``gather_dtypes``: the dtypes the
+    forward and the backward gather k rows in, for the VMEM check made before anything is traced."""
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
     def core(q, k, weights, indices, k_scale, softmax_scale, interpret):
@@ -1016,6 +1017,11 @@ def differentiable_sparse_score(variant, forward, backward):
         _, _, k_scale, softmax_scale = check_call(variant, q, k, weights, None, None, k_scale, softmax_scale)
         batch, _, seq_len, _ = q_dims(q, variant["q_layout"])
         indices = check_indices(indices, batch, seq_len)
+        for dtype in gather_dtypes:  # raises ValueError naming W when k and dk do not fit VMEM
+            pad = sparse_top_k_pad(indices.shape[2], dtype)
+            sparse_vmem_limit(
+                k.shape[1], k.shape[2], q_dims(q, variant["q_layout"])[1], pad, k.dtype, dtype, q.dtype
+            )
         with jax.named_scope(f"{variant['name']}_sparse"):
             return core(q, k, weights, indices, k_scale, softmax_scale, interpret)
 

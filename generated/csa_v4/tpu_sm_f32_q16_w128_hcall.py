@@ -461,7 +461,9 @@ def _sparse_backward(softmax_scale, interpret, q, k, weights, indices, k_scale, 
     return dq.astype(grad_dtype), dk.astype(grad_dtype), dweights, None
 
 
-_sparse_score = _runtime.differentiable_sparse_score(VARIANT, _sparse_forward, _sparse_backward)
+_sparse_score = _runtime.differentiable_sparse_score(
+    VARIANT, _sparse_forward, _sparse_backward, (SPARSE_GATHER_DTYPE, SPARSE_BACKWARD_GATHER_DTYPE)
+)
 
 
 def sparse_score(q, k, weights, indices, *, k_scale=None, softmax_scale=None, interpret=False):
