@@ -396,9 +396,10 @@ def _sparse_backward_kernel(
         activated = jnp.maximum(logits, 0.0)
         dweights_ref[s : s + 1, :] = softmax_scale * jnp.sum(g * activated, axis=0, keepdims=True)
         dlogits = _runtime.dlogits(logits, g, weights)  # [top_k, H]
-        dq_ref[s] = softmax_scale * _runtime.sparse_matmul(
-            dlogits, gathered, _runtime.CONTRACT_FIRST, SPARSE_BACKWARD_PRECISION
-        )
+        dq = _runtime.sparse_matmul(dlogits, gathered, _runtime.CONTRACT_FIRST, SPARSE_BACKWARD_PRECISION)
+        dq_ref[s] = (softmax_scale * dq).astype(
+            dq_ref.dtype
+        )  # [H, D], in dq's dtype: no float32 copy of q in HBM
         dk_gathered_ref[...] = _runtime.sparse_matmul(
             dlogits, q_s, _runtime.CONTRACT_INNER, SPARSE_BACKWARD_PRECISION
         )
@@ -432,6 +433,7 @@ def _sparse_backward(softmax_scale, interpret, q, k, weights, indices, k_scale, 
     """dq, dk, dweights from one pallas_call; dk never exists per slot in HBM."""
     x = _runtime.sparse_prepare(VARIANT, q, k, weights, indices, k_scale, SPARSE_BACKWARD_GATHER_DTYPE)
     g = jnp.where(x.valid, g.astype(jnp.float32), 0.0)  # empty slots get no gradient, whatever g holds there
+    grad_dtype = jnp.dtype(VARIANT["qk_grad_dtype"])
     results = _runtime.sparse_call(
         functools.partial(_sparse_backward_kernel, softmax_scale=softmax_scale),
         x,
@@ -440,7 +442,7 @@ def _sparse_backward(softmax_scale, interpret, q, k, weights, indices, k_scale, 
             "g": ("columns", _runtime.to_columns(g, x.seq_pad, x.top_k_pad)),
         },
         outputs={
-            "dq": ("q", (x.q.shape, jnp.float32)),
+            "dq": ("q", (x.q.shape, grad_dtype)),
             "dweights": ("weights", (x.weights.shape, jnp.float32)),
             "dk": ("k", (x.k.shape, jnp.float32)),
         },
@@ -454,11 +456,10 @@ def _sparse_backward(softmax_scale, interpret, q, k, weights, indices, k_scale, 
         interpret=interpret,
     )  # fmt: skip
     dq, dweights, dk = results[:3]
-    grad_dtype = jnp.dtype(VARIANT["qk_grad_dtype"])
     dq = _runtime.crop_to(dq, (x.batch, x.seq_len, x.num_heads, x.head_dim))
     dweights = _runtime.crop_to(dweights, (x.batch, x.seq_len, x.num_heads)).astype(weights.dtype)
     dk = softmax_scale * dk
-    return dq.astype(grad_dtype), dk.astype(grad_dtype), dweights, None
+    return dq, dk.astype(grad_dtype), dweights, None
 
 
 _sparse_score = _runtime.differentiable_sparse_score(

@@ -438,9 +438,10 @@ def _sparse_backward_kernel(
         # d score / d k_scale of each slot, up to the cotangent: the score before the scale.
         unscaled_ref[:, s : s + 1] = softmax_scale * jnp.sum(activated * weights, axis=1, keepdims=True)
         dlogits = _runtime.dlogits(logits, g, weights)  # [top_k, H]
-        dq_ref[s] = softmax_scale * _runtime.sparse_matmul(
-            dlogits, gathered, _runtime.CONTRACT_FIRST, SPARSE_BACKWARD_PRECISION
-        )
+        dq = _runtime.sparse_matmul(dlogits, gathered, _runtime.CONTRACT_FIRST, SPARSE_BACKWARD_PRECISION)
+        dq_ref[s] = (softmax_scale * dq).astype(
+            dq_ref.dtype
+        )  # [H, D], in dq's dtype: no float32 copy of q in HBM
         dk_gathered_ref[...] = _runtime.sparse_matmul(
             dlogits, q_s, _runtime.CONTRACT_INNER, SPARSE_BACKWARD_PRECISION
         )
@@ -475,6 +476,7 @@ def _sparse_backward(softmax_scale, interpret, q, k, weights, indices, k_scale, 
     """dq, dk, dweights, dk_scale from one pallas_call; dk never exists per slot in HBM."""
     x = _runtime.sparse_prepare(VARIANT, q, k, weights, indices, k_scale, SPARSE_BACKWARD_GATHER_DTYPE)
     g = jnp.where(x.valid, g.astype(jnp.float32), 0.0)  # empty slots get no gradient, whatever g holds there
+    grad_dtype = jnp.dtype(VARIANT["qk_grad_dtype"])
     results = _runtime.sparse_call(
         functools.partial(_sparse_backward_kernel, softmax_scale=softmax_scale),
         x,
@@ -483,7 +485,7 @@ def _sparse_backward(softmax_scale, interpret, q, k, weights, indices, k_scale, 
             "g": ("columns", _runtime.to_columns(g * x.slot_scale, x.seq_pad, x.top_k_pad)),
         },
         outputs={
-            "dq": ("q", (x.q.shape, jnp.float32)),
+            "dq": ("q", (x.q.shape, grad_dtype)),
             "dweights": ("weights", (x.weights.shape, jnp.float32)),
             "dk": ("k", (x.k.shape, jnp.float32)),
             "unscaled": ("columns", (_runtime.to_columns_shape(x), jnp.float32)),
@@ -498,13 +500,12 @@ def _sparse_backward(softmax_scale, interpret, q, k, weights, indices, k_scale, 
         interpret=interpret,
     )  # fmt: skip
     dq, dweights, dk = results[:3]
-    grad_dtype = jnp.dtype(VARIANT["qk_grad_dtype"])
     dq = _runtime.crop_to(dq, (x.batch, x.seq_len, x.num_heads, x.head_dim))
     dweights = _runtime.crop_to(dweights, (x.batch, x.seq_len, x.num_heads)).astype(weights.dtype)
     dk = softmax_scale * dk
     unscaled = _runtime.from_columns(results[3], x.seq_len, x.top_k)
     dk_scale = _runtime.scatter_slots(g * unscaled, x.rows[:, : x.seq_len, : x.top_k], x.num_blocks)
-    return dq.astype(grad_dtype), dk.astype(grad_dtype), dweights, dk_scale
+    return dq, dk.astype(grad_dtype), dweights, dk_scale
 
 
 _sparse_score = _runtime.differentiable_sparse_score(
