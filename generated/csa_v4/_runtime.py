@@ -759,6 +759,9 @@ SPARSE_BLOCK_Q = 8  # queries per grid step of the sparse kernels (their grid is
 SPARSE_VMEM_CAPACITY_BYTES = 67108864  # v5e, v5p, v6e, 7x
 SPARSE_SCOPED_VMEM_DEFAULT_BYTES = 16777216
 SPARSE_VMEM_HEADROOM = 1.25  # for Mosaic's own scratch, as codegen's budget of the dense kernels
+# Slot loops (one row gathered, or added into dk, per slot) unrolled so that the scheduler can overlap
+# one slot's index load and row access with the next; top_k_pad is a multiple of it.
+SPARSE_ROW_UNROLL = 8
 
 
 def topk_indices(scores, top_k, *, method="exact"):
@@ -951,7 +954,7 @@ def gather_rows(rows_ref, k_ref, gathered_ref, s):
         gathered_ref[pl.ds(j, 1), :] = k_ref[pl.ds(row, 1), :].astype(gathered_ref.dtype)
         return carry
 
-    jax.lax.fori_loop(0, gathered_ref.shape[0], body, 0)
+    jax.lax.fori_loop(0, gathered_ref.shape[0], body, 0, unroll=SPARSE_ROW_UNROLL)
 
 
 def scatter_add_rows(rows_ref, dk_ref, dk_gathered_ref, s):
@@ -963,7 +966,7 @@ def scatter_add_rows(rows_ref, dk_ref, dk_gathered_ref, s):
         dk_ref[pl.ds(row, 1), :] += dk_gathered_ref[pl.ds(j, 1), :]
         return carry
 
-    jax.lax.fori_loop(0, dk_gathered_ref.shape[0], body, 0)
+    jax.lax.fori_loop(0, dk_gathered_ref.shape[0], body, 0, unroll=SPARSE_ROW_UNROLL)
 
 
 def sparse_call(kernel, x, *, inputs, outputs, scratch, semantics, work, name, interpret):
