@@ -487,7 +487,9 @@ def sparse_score(q, k, weights, indices, *, k_scale=None, softmax_scale=None, in
 
     The one route keeps k and the float32 dk of one batch element in VMEM: at D = 128 that is
     W * 1.5 KiB for bfloat16 k (2 KiB for float32; double-buffered), so the smallest target
-    (_runtime.SPARSE_VMEM_CAPACITY_BYTES) holds W up to ~30000 bfloat16 keys (~23000 float32).
+    (_runtime.SPARSE_VMEM_CAPACITY_BYTES) holds W up to ~30000 bfloat16 keys (~22000 float32, ~36000
+    float8) at H = 64, top_k = 1024: 128k-token context (W = 32768 at compress rate 4) is just past it
+    for bfloat16, 1M context (W = 262144) far past.
     Beyond it, a ValueError naming W and the limit is raised before anything is traced.
     Verified only by lowering (Mosaic's TPU lowering, run on a CPU by the tests), never run on a
     TPU: the dynamic single-row reads and writes of float32 rows and the SMEM index blocks;
