@@ -189,7 +189,8 @@ def test_topk_indices_is_a_stable_sort(top_k):
 
 def test_topk_indices_rejects_bad_arguments():
     scores = jnp.zeros((1, 2, 3))
-    for bad, match in (((scores, 0), "top_k"), ((scores[0], 2), r"\[B, S, W\]"), ((scores, 2, "fast"), "method")):
+    assert topk_indices(scores, np.int64(2)).shape == (1, 2, 2)  # a NumPy integer is a static top_k too
+    for bad, match in (((scores, 0), "top_k"), ((scores, 1.5), "top_k"), ((scores[0], 2), r"\[B, S, W\]"), ((scores, 2, "fast"), "method")):
         with pytest.raises(ValueError, match=match):
             topk_indices(*bad[:2], method=bad[2] if len(bad) > 2 else "exact")
 
@@ -201,13 +202,13 @@ def _direct_loss(logits, target, in_set):
     for b, s in np.ndindex(*logits.shape[:2]):
         keep = in_set[b, s] > 0
         mass = target[b, s][keep].sum()
-        if not keep.any() or mass <= 0:
+        rows += bool(keep.any())  # averaged over the rows with a non-empty set
+        if not keep.any() or mass <= 0:  # a row with no target mass on its set adds 0
             continue
         p = target[b, s][keep] / mass
         x = logits[b, s][keep]
         log_q = x - x.max() - np.log(np.exp(x - x.max()).sum())
         total += np.sum(np.where(p > 0, p * (np.log(np.where(p > 0, p, 1.0)) - log_q), 0.0))
-        rows += 1
     return total / max(rows, 1)
 
 
@@ -223,7 +224,7 @@ def test_indexer_loss_matches_a_direct_computation(name):
     kv_start, kv_end = support.mask_batch(seq_len, num_blocks, seed=6)
     kv_start, kv_end = kv_start[:batch], kv_end[:batch]
     target = jnp.asarray(rng.random((batch, seq_len, TOP_K)), jnp.float32)
-    target = target.at[1, 4].set(0.0)  # no mass: the row does not count
+    target = target.at[1, 4].set(0.0)  # no mass: the row adds 0 (and is averaged over)
     dense_target = jnp.asarray(rng.random((batch, seq_len, num_blocks)), jnp.float32)
 
     kwargs = dict(interpret=True, **scale)

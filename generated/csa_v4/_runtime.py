@@ -10,6 +10,7 @@ A variant module imports this file as ``from . import _runtime``: copy the two t
 import functools
 import inspect
 import math
+import operator
 import warnings
 from typing import NamedTuple
 
@@ -787,8 +788,12 @@ def topk_indices(scores, top_k, *, method="exact"):
         )
     if not jnp.issubdtype(scores.dtype, jnp.floating):
         raise ValueError(f"scores must be a float array [B, S, W], got {scores.dtype}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        raise ValueError(f"top_k must be a positive Python int, got {top_k!r}")
+    try:
+        top_k = operator.index(top_k)  # a Python or NumPy integer, static
+    except TypeError:
+        raise ValueError(f"top_k must be a positive integer, got {top_k!r}") from None
+    if isinstance(top_k, bool) or top_k < 1:
+        raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
     if method not in ("exact", "approx"):
         raise ValueError(f'method must be "exact" or "approx", got {method!r}')
     scores = scores.astype(jnp.float32)
@@ -1066,14 +1071,15 @@ def indexer_loss(score, sparse_score, q, k, weights, target, *, indices=None, kv
 
 
 def kl_over_sets(logits, target, in_set):
-    """mean over rows with a non-empty set and target mass on it of KL(target || softmax(logits)), both
-    restricted to the row's set, the target renormalised there; float32. Never NaN: entries outside
-    the set are replaced before any arithmetic (their gradient is exactly 0), a row that does not
-    count adds 0, and with no such row the loss is 0."""
+    """The mean over rows with a non-empty set of KL(target || softmax(logits)), both restricted to the
+    row's set, the target renormalised there; float32. A row whose target has no mass on its set adds
+    0 (and is still one of the rows averaged over). Never NaN: entries outside the set are replaced
+    before any arithmetic (their gradient is exactly 0), and with no non-empty set the loss is 0."""
     target = jax.lax.stop_gradient(jnp.where(in_set, target.astype(ACCUM_DTYPE), 0.0))
     logits = jnp.where(in_set, logits.astype(ACCUM_DTYPE), 0.0)  # -inf outside the set never reaches exp
     mass = jnp.sum(target, axis=-1, keepdims=True)
-    counts = jnp.any(in_set, axis=-1, keepdims=True) & (mass > 0)
+    nonempty = jnp.any(in_set, axis=-1, keepdims=True)
+    counts = nonempty & (mass > 0)
     p = target / jnp.where(counts, mass, 1.0)
     top = jax.lax.stop_gradient(jnp.max(jnp.where(in_set, logits, -jnp.inf), axis=-1, keepdims=True))
     top = jnp.where(jnp.isfinite(top), top, 0.0)
@@ -1082,7 +1088,7 @@ def kl_over_sets(logits, target, in_set):
     positive = p > 0
     terms = jnp.where(positive, p * (jnp.log(jnp.where(positive, p, 1.0)) - log_q), 0.0)
     per_row = jnp.where(counts, jnp.sum(terms, axis=-1, keepdims=True), 0.0)
-    return jnp.sum(per_row) / jnp.maximum(jnp.sum(counts), 1).astype(ACCUM_DTYPE)
+    return jnp.sum(per_row) / jnp.maximum(jnp.sum(nonempty), 1).astype(ACCUM_DTYPE)
 
 
 # lhs [n, m] . rhs [n, p] -> [m, p]: contract the first dimension of both (dlogitsᵀ . k without a transpose).

@@ -504,16 +504,16 @@ def indexer_loss(
     q, k, weights, target, *, indices=None, kv_start=None, kv_end=None, k_scale=None, softmax_scale=None,
     interpret=False,
 ):  # fmt: skip
-    """DeepSeek's indexer loss: the float32 mean, over queries whose set is non-empty and holds target
-    mass, of ``KL(target || softmax(score))`` over the set, the target renormalised on it.
+    """DeepSeek's indexer loss: the float32 mean, over queries whose set is non-empty, of
+    ``KL(target || softmax(score))`` over the set, the target renormalised on it.
 
     Dense (``indices=None``): ``target`` is [B, S, W], the set is the blocks visible through
     ``kv_start``/``kv_end``, and the score is ``score``'s. Sparse: ``target`` is [B, S, top_k], aligned
     with ``indices``, the set is the slots whose index lies in [0, W) (and in [kv_start, kv_end) where
     given), and the score is ``sparse_score``'s; a block selected twice is two entries of the set.
     The log-softmax is float32; ``target`` is a constant (no gradient), taken as non-negative.
-    Differentiable in q, k and weights. A row whose set is empty, or whose target has no mass on it,
-    adds 0 and is not counted; with no counted row the loss is 0, never NaN.
+    Differentiable in q, k and weights. A row whose set is empty adds 0 and is not averaged over; one
+    whose target has no mass on its set adds 0 (and is). With no non-empty set the loss is 0, never NaN.
     """
     return _runtime.indexer_loss(
         score, sparse_score, q, k, weights, target, indices=indices, kv_start=kv_start, kv_end=kv_end,
