@@ -760,9 +760,7 @@ SPARSE_BLOCK_Q = 8  # queries per grid step of the sparse kernels (their grid is
 SPARSE_VMEM_CAPACITY_BYTES = 67108864  # v5e, v5p, v6e, 7x
 SPARSE_SCOPED_VMEM_DEFAULT_BYTES = 16777216
 SPARSE_VMEM_HEADROOM = 1.25  # for Mosaic's own scratch, as codegen's budget of the dense kernels
-# Slot loops (one row gathered, or added into dk, per slot) unrolled so that the scheduler can overlap
-# one slot's index load and row access with the next; top_k_pad is a multiple of it.
-SPARSE_ROW_UNROLL = 8
+SPARSE_GATHER_CHUNK = 8  # rows gathered per store into the scratch; top_k_pad is a multiple of it
 
 
 def topk_indices(scores, top_k, *, method="exact"):
@@ -824,8 +822,9 @@ def check_indices(indices, batch, seq_len):
 
 
 def sparse_top_k_pad(top_k, gather_dtype):
-    """top_k rounded up to the sublane tiling of the gathered rows' dtype (8 rows of 32-bit, 16 of 16-bit)."""
-    return round_up(top_k, 8 * 4 // jnp.dtype(gather_dtype).itemsize)
+    """top_k rounded up to the sublane tiling of the gathered rows' dtype (8 rows of 32-bit, 16 of 16-bit),
+    a multiple of SPARSE_GATHER_CHUNK."""
+    return round_up(top_k, max(SPARSE_GATHER_CHUNK, 8 * 4 // jnp.dtype(gather_dtype).itemsize))
 
 
 def sparse_vmem_bytes(num_blocks, head_dim, num_heads, top_k_pad, k_dtype, gather_dtype, q_dtype):
@@ -949,17 +948,21 @@ def sparse_block_specs(x):
 def gather_rows(rows_ref, k_ref, gathered_ref, s):
     """Row ``rows_ref[s, j]`` of the resident k block into row j of ``gathered_ref``, for every slot j.
 
-    One dynamic single-row VMEM read and write per slot (a vector gather does not lower for TPU).
+    One dynamic single-row VMEM read per slot (a vector gather does not lower for TPU), and one
+    aligned store per SPARSE_GATHER_CHUNK slots (their rows concatenated): fewer, full-tile stores
+    than a row at a time, and, interpreted, an eighth of the scratch copies XLA makes at each store.
     For 16- and 8-bit k these are single rows of packed sublane tiles: Mosaic's TPU lowering accepts
     them (checked on CPU by the tests), but they were not run on a TPU here.
     """
+    chunk = SPARSE_GATHER_CHUNK
 
-    def body(j, carry):
-        row = rows_ref[s, j]
-        gathered_ref[pl.ds(j, 1), :] = k_ref[pl.ds(row, 1), :].astype(gathered_ref.dtype)
+    def body(c, carry):
+        j = pl.multiple_of(c * chunk, chunk)
+        rows = [k_ref[pl.ds(rows_ref[s, j + t], 1), :] for t in range(chunk)]
+        gathered_ref[pl.ds(j, chunk), :] = jnp.concatenate(rows, axis=0).astype(gathered_ref.dtype)
         return carry
 
-    jax.lax.fori_loop(0, gathered_ref.shape[0], body, 0, unroll=SPARSE_ROW_UNROLL)
+    jax.lax.fori_loop(0, gathered_ref.shape[0] // chunk, body, 0)
 
 
 def scatter_add_rows(rows_ref, dk_ref, dk_gathered_ref, s):
@@ -971,7 +974,7 @@ def scatter_add_rows(rows_ref, dk_ref, dk_gathered_ref, s):
         dk_ref[pl.ds(row, 1), :] += dk_gathered_ref[pl.ds(j, 1), :]
         return carry
 
-    jax.lax.fori_loop(0, dk_gathered_ref.shape[0], body, 0, unroll=SPARSE_ROW_UNROLL)
+    jax.lax.fori_loop(0, dk_gathered_ref.shape[0], body, 0)
 
 
 def sparse_call(kernel, x, *, inputs, outputs, scratch, semantics, work, name, interpret):
