@@ -39,6 +39,7 @@ def run(command: str) -> str:
 
 def rendered(text: str) -> str:
     """README text with every marked block replaced by its command's output."""
+
     def block(m):
         if m.group("command") is not None:
             return m.group(1) + run(m.group("command")) + m.group(4)

@@ -41,7 +41,9 @@ CHIP = "v6e"
 
 def _arrays(variant, seq_len, num_blocks, top_k):
     q_shape = (
-        (BATCH, HEADS, seq_len, HEAD_DIM) if variant["q_layout"] == "head_major" else (BATCH, seq_len, HEADS, HEAD_DIM)
+        (BATCH, HEADS, seq_len, HEAD_DIM)
+        if variant["q_layout"] == "head_major"
+        else (BATCH, seq_len, HEADS, HEAD_DIM)
     )
     return (
         jax.ShapeDtypeStruct(q_shape, variant["q_dtype"]),
@@ -54,10 +56,18 @@ def _arrays(variant, seq_len, num_blocks, top_k):
 def lowered_report(module, seq_len, num_blocks, top_k, sparse):
     """The hlo_audit report of value_and_grad of sum(score) (or of the sparse score) lowered for TPU."""
     q, k, weights, indices = _arrays(module.VARIANT, seq_len, num_blocks, top_k)
-    extra = {"k_scale": jax.ShapeDtypeStruct((BATCH, num_blocks), jnp.float32)} if module.VARIANT["k_scale"] else {}
+    extra = (
+        {"k_scale": jax.ShapeDtypeStruct((BATCH, num_blocks), jnp.float32)}
+        if module.VARIANT["k_scale"]
+        else {}
+    )
 
     def loss(q, k, weights, indices, **extra):
-        out = module.sparse_score(q, k, weights, indices, **extra) if sparse else module.score(q, k, weights, **extra)
+        out = (
+            module.sparse_score(q, k, weights, indices, **extra)
+            if sparse
+            else module.score(q, k, weights, **extra)
+        )
         return jnp.sum(jnp.where(jnp.isfinite(out), out, 0).astype(jnp.float32))
 
     step = jax.value_and_grad(loss, argnums=(0, 1, 2))
@@ -80,7 +90,10 @@ def sparse_rows(module, seq_len, num_blocks, top_k):
     seq_pad = _runtime.round_up(seq_len, _runtime.SPARSE_BLOCK_Q)
     steps = BATCH * seq_pad // _runtime.SPARSE_BLOCK_Q
     rows = []
-    for kernel, dtype in (("sparse_forward", module.SPARSE_GATHER_DTYPE), ("sparse_backward", module.SPARSE_BACKWARD_GATHER_DTYPE)):
+    for kernel, dtype in (
+        ("sparse_forward", module.SPARSE_GATHER_DTYPE),
+        ("sparse_backward", module.SPARSE_BACKWARD_GATHER_DTYPE),
+    ):
         top_k_pad = _runtime.sparse_top_k_pad(top_k, dtype)
         slots = BATCH * seq_pad * top_k_pad
         flops = module.SPARSE_WORK[kernel.removeprefix("sparse_")] * 2 * slots * HEADS * HEAD_DIM
@@ -111,7 +124,12 @@ def largest_in_hbm(module, seq_len, num_blocks, top_k, sparse):
         arrays |= {"indices [S, top_k] int32": BATCH * seq_len * top_k * 4,
                    "score, cotangent [S, top_k] float32": BATCH * seq_len * top_k * 4}  # fmt: skip
     else:
-        arrays |= {f"score, cotangent [S, W] {variant['out_dtype']}": BATCH * seq_len * num_blocks * item("out_dtype")}
+        arrays |= {
+            f"score, cotangent [S, W] {variant['out_dtype']}": BATCH
+            * seq_len
+            * num_blocks
+            * item("out_dtype")
+        }
     return max(arrays.items(), key=lambda item: item[1])
 
 
@@ -124,13 +142,19 @@ def seconds(row, chip, row_seconds):
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variant", default=DEFAULT_VARIANT)
-    parser.add_argument("--row-ns", type=float, default=2.0, help="modelled ns per row gathered or added (default 2)")
+    parser.add_argument(
+        "--row-ns", type=float, default=2.0, help="modelled ns per row gathered or added (default 2)"
+    )
     args = parser.parse_args(argv)
     module, chip, row_seconds = VARIANTS[args.variant], chips.get(CHIP), args.row_ns * 1e-9
-    print(f"`value_and_grad` through `{args.variant}`, H = {HEADS}, D = {HEAD_DIM}, B = {BATCH}, lowered for TPU (not run);")
+    print(
+        f"`value_and_grad` through `{args.variant}`, H = {HEADS}, D = {HEAD_DIM}, B = {BATCH}, lowered for TPU (not run);"
+    )
     print(f"modelled on {CHIP}: {chip.bf16_flops / 1e12:.0f} TFLOP/s bf16, {chip.hbm_bytes_per_second / 1e12:.2f} TB/s HBM, "
           f"{STEP_SECONDS * 1e6:.2f} us per grid step, {args.row_ns:g} ns per row gathered or added\n")  # fmt: skip
-    print("| S, W, top_k | route | kernel | MXU GFLOP | rows gathered (+ added) | DMAs | HBM MiB | modelled ms |")
+    print(
+        "| S, W, top_k | route | kernel | MXU GFLOP | rows gathered (+ added) | DMAs | HBM MiB | modelled ms |"
+    )
     print("|---|---|---|---:|---:|---:|---:|---:|")
     largest = []
     for seq_len, num_blocks, top_k in SHAPES:
@@ -139,7 +163,9 @@ def main(argv=None) -> None:
             ("sparse", sparse_rows(module, seq_len, num_blocks, top_k), True),
         ):
             report = lowered_report(module, seq_len, num_blocks, top_k, sparse)
-            names = {call.strip('"').removeprefix(module.VARIANT["name"] + "_") for call in report.pallas_calls}
+            names = {
+                call.strip('"').removeprefix(module.VARIANT["name"] + "_") for call in report.pallas_calls
+            }
             assert names == {r[0] for r in rows}, (route, names)  # the lowered program runs these kernels
             total = 0.0
             for row in rows:
@@ -160,7 +186,9 @@ def main(argv=None) -> None:
     # Per query: dense 7 passes of 2 H D W FLOPs at peak; sparse 3 rows per slot (forward gather,
     # backward gather and add) at ROW_SECONDS. Equal at W / top_k = 3 ROW_SECONDS peak / (14 H D).
     ratio = 3 * row_seconds * chip.matmul_flops_per_second(2) / (14 * HEADS * HEAD_DIM)
-    print(f"\nBreak-even (row loops against dense MXU work): W / top_k ~ {ratio:.0f} at {args.row_ns:g} ns per row.")
+    print(
+        f"\nBreak-even (row loops against dense MXU work): W / top_k ~ {ratio:.0f} at {args.row_ns:g} ns per row."
+    )
 
 
 if __name__ == "__main__":

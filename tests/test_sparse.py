@@ -48,7 +48,9 @@ def _scatter(values, indices, num_blocks):
 def _gathered(dense, indices):
     num_blocks = dense.shape[-1]
     valid = (indices >= 0) & (indices < num_blocks)
-    return jnp.where(valid, jnp.take_along_axis(dense, jnp.clip(indices, 0, num_blocks - 1), axis=2), -jnp.inf)
+    return jnp.where(
+        valid, jnp.take_along_axis(dense, jnp.clip(indices, 0, num_blocks - 1), axis=2), -jnp.inf
+    )
 
 
 def test_sparse_score_and_its_gradients_match_the_reference_gathered(module):
@@ -65,7 +67,9 @@ def test_sparse_score_and_its_gradients_match_the_reference_gathered(module):
 
     out, vjp = jax.vjp(sparse, *args)
     assert out.dtype == jnp.dtype(variant["out_dtype"]) and out.shape == (batch, seq_len, TOP_K)
-    support.assert_close("sparse_score", out, _gathered(support.reference_score(variant, q, k, weights), indices))
+    support.assert_close(
+        "sparse_score", out, _gathered(support.reference_score(variant, q, k, weights), indices)
+    )
 
     # A cotangent with NaN at the empty slots: they must get no gradient, whatever g holds there.
     valid = (indices >= 0) & (indices < num_blocks)
@@ -152,7 +156,9 @@ def test_sparse_score_checks_indices_and_the_vmem_limit():
         )
     # The production long-context shape of the benchmark fits: W = 16384, top_k = 1024.
     mid_k = jax.ShapeDtypeStruct((1, 16384, 128), jnp.bfloat16)
-    jax.eval_shape(lambda q, k, w: module.sparse_score(q, k, w, jnp.zeros((1, 8, 1024), jnp.int32)), q, mid_k, weights)
+    jax.eval_shape(
+        lambda q, k, w: module.sparse_score(q, k, w, jnp.zeros((1, 8, 1024), jnp.int32)), q, mid_k, weights
+    )
 
 
 def _numpy_topk(scores, top_k):
@@ -190,7 +196,12 @@ def test_topk_indices_is_a_stable_sort(top_k):
 def test_topk_indices_rejects_bad_arguments():
     scores = jnp.zeros((1, 2, 3))
     assert topk_indices(scores, np.int64(2)).shape == (1, 2, 2)  # a NumPy integer is a static top_k too
-    for bad, match in (((scores, 0), "top_k"), ((scores, 1.5), "top_k"), ((scores[0], 2), r"\[B, S, W\]"), ((scores, 2, "fast"), "method")):
+    for bad, match in (
+        ((scores, 0), "top_k"),
+        ((scores, 1.5), "top_k"),
+        ((scores[0], 2), r"\[B, S, W\]"),
+        ((scores, 2, "fast"), "method"),
+    ):
         with pytest.raises(ValueError, match=match):
             topk_indices(*bad[:2], method=bad[2] if len(bad) > 2 else "exact")
 
@@ -212,7 +223,9 @@ def _direct_loss(logits, target, in_set):
     return total / max(rows, 1)
 
 
-@pytest.mark.parametrize("name", ["tpu_hm_f32_q16_w128_hcall", "tpu_sm_bf16_q128_w1024_hc16", "tpu_sm_fp8_q128_w1024_hc16"])
+@pytest.mark.parametrize(
+    "name", ["tpu_hm_f32_q16_w128_hcall", "tpu_sm_bf16_q128_w1024_hc16", "tpu_sm_fp8_q128_w1024_hc16"]
+)
 def test_indexer_loss_matches_a_direct_computation(name):
     module = VARIANTS[name]
     variant = module.VARIANT
@@ -231,12 +244,19 @@ def test_indexer_loss_matches_a_direct_computation(name):
     sparse_loss = lambda q, k, w: module.indexer_loss(
         q, k, w, target, indices=indices, kv_start=kv_start, kv_end=kv_end, **kwargs
     )
-    dense_loss = lambda q, k, w: module.indexer_loss(q, k, w, dense_target, kv_start=kv_start, kv_end=kv_end, **kwargs)
+    dense_loss = lambda q, k, w: module.indexer_loss(
+        q, k, w, dense_target, kv_start=kv_start, kv_end=kv_end, **kwargs
+    )
     sparse_value, sparse_grads = jax.value_and_grad(sparse_loss, argnums=(0, 1, 2))(q, k, weights)
     dense_value, dense_grads = jax.value_and_grad(dense_loss, argnums=(0, 1, 2))(q, k, weights)
 
     full = support.reference_score(variant, q, k, weights)  # float32, unmasked
-    in_set = (indices >= 0) & (indices < num_blocks) & (indices >= kv_start[..., None]) & (indices < kv_end[..., None])
+    in_set = (
+        (indices >= 0)
+        & (indices < num_blocks)
+        & (indices >= kv_start[..., None])
+        & (indices < kv_end[..., None])
+    )
     sparse_logits = jnp.take_along_axis(full, jnp.clip(indices, 0, num_blocks - 1), axis=2)
     visible = reference.visible(kv_start, kv_end, num_blocks)
     # The kernels' score is rounded to the output dtype before the float32 log-softmax.
@@ -245,9 +265,12 @@ def test_indexer_loss_matches_a_direct_computation(name):
     np.testing.assert_allclose(
         float(sparse_value), _direct_loss(rounded(sparse_logits), target, in_set), rtol=tolerance, atol=1e-6
     )
-    np.testing.assert_allclose(float(dense_value), _direct_loss(rounded(full), dense_target, visible), rtol=tolerance)
+    np.testing.assert_allclose(
+        float(dense_value), _direct_loss(rounded(full), dense_target, visible), rtol=tolerance
+    )
     for grad in (*sparse_grads, *dense_grads):
         assert np.isfinite(np.asarray(grad, np.float32)).all()
+
     # The sparse loss's gradient is the reference's through a float32 loss on the gathered scores.
     def reference_loss(q, k, w):
         scores = reference.score(q, k, w, q_layout=variant["q_layout"], **scale)
@@ -256,8 +279,19 @@ def test_indexer_loss_matches_a_direct_computation(name):
 
         return _runtime.kl_over_sets(picked, target, in_set)
 
+    def dense_reference_loss(q, k, w):
+        scores = reference.score(
+            q, k, w, q_layout=variant["q_layout"], kv_start=kv_start, kv_end=kv_end, **scale
+        )
+        from generated.csa_v4 import _runtime
+
+        return _runtime.kl_over_sets(scores, dense_target, visible)
+
     upcast = [jnp.asarray(x, jnp.float32) for x in (q, k, weights)]
-    for name_, actual, wanted in zip(("dq", "dk", "dweights"), sparse_grads, jax.grad(reference_loss, argnums=(0, 1, 2))(*upcast)):
+    expected = jax.grad(reference_loss, argnums=(0, 1, 2))(*upcast)
+    dense_expected = jax.grad(dense_reference_loss, argnums=(0, 1, 2))(*upcast)
+    names = ("sparse dq", "sparse dk", "sparse dweights", "dense dq", "dense dk", "dense dweights")
+    for name_, actual, wanted in zip(names, (*sparse_grads, *dense_grads), (*expected, *dense_expected)):
         # float32 throughout: summation order only. A bfloat16 score (rounded before the softmax) or
         # gradient (rounded after) moves it by up to ~2**-8 relative: 2e-2 still catches a wrong term.
         exact = variant["out_dtype"] == "float32" and actual.dtype == jnp.float32
@@ -278,7 +312,12 @@ def test_indexer_loss_of_nothing_is_zero_not_nan():
             q, k, w, 0.0 * target, indices=_indices(batch, seq_len, num_blocks, TOP_K), interpret=True
         ),
         "nothing visible": lambda q, k, w: module.indexer_loss(
-            q, k, w, jnp.ones((batch, seq_len, num_blocks)), kv_start=nothing_visible, kv_end=nothing_visible,
+            q,
+            k,
+            w,
+            jnp.ones((batch, seq_len, num_blocks)),
+            kv_start=nothing_visible,
+            kv_end=nothing_visible,
             interpret=True,
         ),
     }
@@ -290,7 +329,10 @@ def test_indexer_loss_of_nothing_is_zero_not_nan():
 
 
 # (variant, B,H,S,D,W, top_k): top_k/W = 1/4 and 1/16 at the production tiling.
-WORK_CASES = [("tpu_sm_bf16_q128_w1024_hc16", (1, 16, 64, 64, 512), 128, 0.35), ("tpu_sm_bf16_q128_w1024_hc16", (1, 16, 64, 64, 512), 32, 0.1)]
+WORK_CASES = [
+    ("tpu_sm_bf16_q128_w1024_hc16", (1, 16, 64, 64, 512), 128, 0.35),
+    ("tpu_sm_bf16_q128_w1024_hc16", (1, 16, 64, 64, 512), 32, 0.1),
+]
 
 _MEASURE = """
 import json, sys
@@ -322,8 +364,12 @@ def test_sparse_gradient_executes_mxu_work_in_proportion_to_top_k():
         timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    for (name, shape, top_k, bound), (dense, sparse) in zip(WORK_CASES, json.loads(result.stdout.splitlines()[-1])):
+    for (name, shape, top_k, bound), (dense, sparse) in zip(
+        WORK_CASES, json.loads(result.stdout.splitlines()[-1])
+    ):
         ratio = sparse / dense
-        assert ratio <= bound, f"{name} top_k={top_k}/W={shape[4]}: sparse/dense MXU work {ratio:.3f} > {bound}"
+        assert (
+            ratio <= bound
+        ), f"{name} top_k={top_k}/W={shape[4]}: sparse/dense MXU work {ratio:.3f} > {bound}"
         # Exactly the work model: 6 passes of [top_k, H, D] per query against the dense 7 of [W, H, D].
         assert sparse * 7 * shape[4] == dense * 6 * top_k, (sparse, dense)
