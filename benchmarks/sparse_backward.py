@@ -96,12 +96,13 @@ def sparse_rows(module, seq_len, num_blocks, top_k):
     ):
         top_k_pad = _runtime.sparse_top_k_pad(top_k, dtype)
         slots = BATCH * seq_pad * top_k_pad
-        flops = module.SPARSE_WORK[kernel.removeprefix("sparse_")] * 2 * slots * HEADS * HEAD_DIM
+        phase = kernel.removeprefix("sparse_")
+        flops = 2 * slots * HEADS * (module.SPARSE_WORK[phase] * HEAD_DIM + module.SPARSE_ROW_DOTS[phase])
         q_bytes = seq_pad * HEADS * HEAD_DIM * jnp.dtype(variant["q_dtype"]).itemsize
         k_bytes = BATCH * num_blocks * HEAD_DIM * jnp.dtype(variant["k_dtype"]).itemsize
         per_query = slots * 4 + BATCH * seq_pad * HEADS * 4  # indices, weights (float32)
         if kernel == "sparse_forward":
-            moved = q_bytes + k_bytes + per_query + slots * 4  # + the score columns
+            moved = q_bytes + k_bytes + per_query + slots * 4  # + the score rows
             dmas, gathered = 4 * steps + BATCH, slots
         else:
             dq_bytes = seq_pad * HEADS * HEAD_DIM * jnp.dtype(variant["qk_grad_dtype"]).itemsize

@@ -835,9 +835,9 @@ def sparse_vmem_bytes(num_blocks, head_dim, num_heads, top_k_pad, k_dtype, gathe
     resident = 2 * num_blocks * lanes(head_dim) * (jnp.dtype(k_dtype).itemsize + 4)
     gathered = top_k_pad * lanes(head_dim) * (jnp.dtype(gather_dtype).itemsize + 4)
     queries = 2 * SPARSE_BLOCK_Q * num_heads * lanes(head_dim) * (jnp.dtype(q_dtype).itemsize + 4)
-    columns = 2 * 3 * top_k_pad * LANES * 4 + 2 * 2 * SPARSE_BLOCK_Q * lanes(num_heads) * 4
+    slots = 2 * 3 * SPARSE_BLOCK_Q * lanes(top_k_pad) * 4 + 2 * 2 * SPARSE_BLOCK_Q * lanes(num_heads) * 4
     tiles = 6 * top_k_pad * lanes(num_heads) * 4
-    return resident + gathered + queries + columns + tiles
+    return resident + gathered + queries + slots + tiles
 
 
 def sparse_vmem_limit(num_blocks, head_dim, num_heads, top_k_pad, k_dtype, gather_dtype, q_dtype):
@@ -867,7 +867,7 @@ def sparse_vmem_limit(num_blocks, head_dim, num_heads, top_k_pad, k_dtype, gathe
 
 class SparseOperands(NamedTuple):
     """Kernel-ready operands of the sparse kernels: queries padded to whole q blocks of
-    ``SPARSE_BLOCK_Q``, slots to ``top_k_pad``, and the per-slot vectors laid out as columns."""
+    ``SPARSE_BLOCK_Q``, slots to ``top_k_pad``."""
 
     q: jax.Array  # [B, S_pad, H, D] (head-major q is transposed: a copy of q, nothing of W)
     k: jax.Array  # [B, W, D] as given: one block per batch element, resident in VMEM
@@ -911,20 +911,10 @@ def sparse_prepare(variant, q, k, weights, indices, k_scale, gather_dtype):
     )  # fmt: skip
 
 
-def to_columns(x, seq_pad, top_k_pad):
-    """float32 ``[B, S, top_k]`` -> ``[B, S_pad / SPARSE_BLOCK_Q, top_k_pad, SPARSE_BLOCK_Q]``: per q block,
-    one column per query. The kernels hold a query's slots as a column (``[top_k, 1]``, like its
-    ``[top_k, H]`` logits); this copy is of B * S * top_k floats, the size of the score itself."""
-    x = pad_to(pad_to(x.astype(ACCUM_DTYPE), 1, seq_pad), 2, top_k_pad)
-    batch = x.shape[0]
-    return x.reshape(batch, seq_pad // SPARSE_BLOCK_Q, SPARSE_BLOCK_Q, top_k_pad).swapaxes(2, 3)
-
-
-def from_columns(x, seq_len, top_k):
-    """The inverse of ``to_columns``, the padding cropped: ``[B, S, top_k]``."""
-    batch, num_q_blocks, top_k_pad, block_q = x.shape
-    x = x.swapaxes(2, 3).reshape(batch, num_q_blocks * block_q, top_k_pad)
-    return crop_to(x, (batch, seq_len, top_k))
+def slot_rows(x, seq_pad, top_k_pad):
+    """float32 ``[B, S, top_k]`` padded to ``[B, S_pad, top_k_pad]``: one lane-dense row of slots per query,
+    as the kernels read the cotangent and write the score."""
+    return pad_to(pad_to(x.astype(ACCUM_DTYPE), 1, seq_pad), 2, top_k_pad)
 
 
 def sparse_block_specs(x):
@@ -941,7 +931,7 @@ def sparse_block_specs(x):
         q=pl.BlockSpec((None, qb, x.num_heads, x.head_dim), lambda b, i: (b, i, 0, 0)),
         k=pl.BlockSpec((None, x.num_blocks, x.head_dim), lambda b, i: (b, 0, 0)),
         weights=pl.BlockSpec((None, qb, x.num_heads), lambda b, i: (b, i, 0)),
-        columns=pl.BlockSpec((None, None, x.top_k_pad, qb), lambda b, i: (b, i, 0, 0)),
+        slots=pl.BlockSpec((None, qb, x.top_k_pad), lambda b, i: (b, i, 0)),
     )
 
 
@@ -1121,11 +1111,12 @@ def scatter_slots(values, rows, num_blocks):
     return jax.vmap(add)(values.reshape(batch, -1), rows.reshape(batch, -1))
 
 
-def to_columns_shape(x):
-    """The shape ``to_columns`` gives a ``[B, S, top_k]`` array of the call ``x`` (``SparseOperands``)."""
-    return (x.batch, x.num_q_blocks, x.top_k_pad, SPARSE_BLOCK_Q)
+def slots_shape(x):
+    """The ``[B, S_pad, top_k_pad]`` shape of a per-slot array of the call ``x`` (``SparseOperands``)."""
+    return (x.batch, x.seq_pad, x.top_k_pad)
 
 
-def sparse_flops(x):
-    """MXU FLOPs of one pass of a sparse kernel: a [top_k_pad, D] x [D, H] matmul per query."""
-    return 2 * x.batch * x.seq_pad * x.top_k_pad * x.num_heads * x.head_dim
+def sparse_flops(x, passes, row_dots):
+    """MXU FLOPs of a sparse kernel: per query ``passes`` [top_k_pad, D] x [D, H] matmuls and ``row_dots``
+    [top_k_pad, H]-sized ones contracting a single row or column (head sums, the outer product g wᵀ)."""
+    return 2 * x.batch * x.seq_pad * x.top_k_pad * x.num_heads * (passes * x.head_dim + row_dots)

@@ -332,8 +332,9 @@ def _backward(softmax_scale, interpret, out_dtype, residuals, g):
 # k of one batch element is one resident VMEM block (fetched once per b), and per query the kernel
 # gathers its top_k rows into VMEM scratch and contracts all heads at once: [top_k, D] x [H, D]^T,
 # a [top_k, H] tile of logits. MXU work: B * S_pad * top_k_pad * H * D per pass, never W.
-# A query's slots are a column ([top_k, 1], like the logits' rows): the score and its cotangent
-# travel as columns (_runtime.to_columns).
+# A query's slots are a lane-dense row of the [B, S_pad, top_k_pad] score and cotangent; the head sums
+# that turn [top_k, H] into such a row (and g into g wᵀ) are [1, H] x [H, top_k]-sized MXU products
+# at HIGHEST precision (1/D of a pass each), as a [top_k, 1] column would need a transpose.
 # Gathered rows in jnp.float32.
 SPARSE_GATHER_DTYPE = jnp.float32
 SPARSE_BACKWARD_GATHER_DTYPE = jnp.float32
@@ -341,6 +342,9 @@ SPARSE_BACKWARD_PRECISION = MATMUL_PRECISION
 # MXU passes of a [top_k, H, D] matmul per kernel: the forward's logits; the backward's logits, dq and
 # dk.
 SPARSE_WORK = {"forward": 1, "backward": 3}
+# [top_k, H]-sized products per query: the forward's head sum; the backward's g wᵀ and dweights.
+SPARSE_ROW_DOTS = {"forward": 1, "backward": 2}
+ROW_PRECISION = jax.lax.Precision.HIGHEST  # float32 operands: the products keep float32 accuracy
 
 
 def _sparse_query(q_ref, s, dtype):
@@ -359,17 +363,26 @@ def _sparse_logits(gathered, q_s, precision):
     )
 
 
+def _head_sum(weights, activated):
+    """sum_h weights[0, h] * activated[:, h] as a lane-dense row: [1, H] . [top_k, H]^T -> [1, top_k]."""
+    return jax.lax.dot_general(
+        weights,
+        activated,
+        _runtime.CONTRACT_LAST,
+        precision=ROW_PRECISION,
+        preferred_element_type=jnp.float32,
+    )
+
+
 def _sparse_forward_kernel(rows_ref, q_ref, k_ref, weights_ref, out_ref, gathered_ref, *, softmax_scale):
-    """Scores of SPARSE_BLOCK_Q queries, one column each: softmax_scale * sum_h weights_h * relu(logits)."""
+    """Scores of SPARSE_BLOCK_Q queries, a row each: softmax_scale * sum_h weights_h * relu(logits)."""
     for s in range(_runtime.SPARSE_BLOCK_Q):
         _runtime.gather_rows(rows_ref, k_ref, gathered_ref, s)
         logits = _sparse_logits(
             gathered_ref[...], _sparse_query(q_ref, s, gathered_ref.dtype), MATMUL_PRECISION
         )
         weights = weights_ref[s : s + 1, :]  # [1, H]
-        out_ref[:, s : s + 1] = softmax_scale * jnp.sum(
-            jnp.maximum(logits, 0.0) * weights, axis=1, keepdims=True
-        )
+        out_ref[s : s + 1, :] = softmax_scale * _head_sum(weights, jnp.maximum(logits, 0.0))
 
 
 def _sparse_backward_kernel(
@@ -390,11 +403,17 @@ def _sparse_backward_kernel(
         gathered = gathered_ref[...]
         q_s = _sparse_query(q_ref, s, gathered.dtype)
         logits = _sparse_logits(gathered, q_s, SPARSE_BACKWARD_PRECISION)  # [top_k, H]
-        g = g_ref[:, s : s + 1]  # [top_k, 1]: zero at empty slots
+        g = g_ref[s : s + 1, :]  # [1, top_k]: zero at empty slots
         weights = weights_ref[s : s + 1, :]  # [1, H]
         activated = jnp.maximum(logits, 0.0)
-        dweights_ref[s : s + 1, :] = softmax_scale * jnp.sum(g * activated, axis=0, keepdims=True)
-        dlogits = _runtime.dlogits(logits, g, weights)  # [top_k, H]
+        dweights_ref[s : s + 1, :] = softmax_scale * jax.lax.dot_general(
+            g, activated, _runtime.CONTRACT_INNER, precision=ROW_PRECISION, preferred_element_type=jnp.float32
+        )  # [1, H]
+        # g_j * weights_h as the outer product g wᵀ (a one-deep MXU product): [top_k, H].
+        g_weights = jax.lax.dot_general(
+            g, weights, _runtime.CONTRACT_FIRST, precision=ROW_PRECISION, preferred_element_type=jnp.float32
+        )
+        dlogits = jnp.where(logits > 0.0, g_weights, 0.0)  # relu' = 1[logit > 0]
         dq = _runtime.sparse_matmul(dlogits, gathered, _runtime.CONTRACT_FIRST, SPARSE_BACKWARD_PRECISION)
         dq_ref[s] = (softmax_scale * dq).astype(
             dq_ref.dtype
@@ -417,14 +436,14 @@ def _sparse_forward(q, k, weights, indices, k_scale, softmax_scale, interpret):
             "k": ("k", x.k),
             "weights": ("weights", x.weights),
         },
-        outputs={"out": ("columns", (_runtime.to_columns_shape(x), jnp.float32))},
+        outputs={"out": ("slots", (_runtime.slots_shape(x), jnp.float32))},
         scratch=[pltpu.VMEM((x.top_k_pad, x.head_dim), SPARSE_GATHER_DTYPE)],
         semantics=("parallel", "parallel"),
-        work=SPARSE_WORK["forward"] * _runtime.sparse_flops(x),
+        work=_runtime.sparse_flops(x, SPARSE_WORK["forward"], SPARSE_ROW_DOTS["forward"]),
         name=f"{VARIANT['name']}_sparse_forward",
         interpret=interpret,
     )
-    out = _runtime.from_columns(out, x.seq_len, x.top_k)
+    out = _runtime.crop_to(out, (x.batch, x.seq_len, x.top_k))
     return jnp.where(x.valid, out, _runtime.MASKED_VALUE).astype(VARIANT["out_dtype"])
 
 
@@ -438,7 +457,7 @@ def _sparse_backward(softmax_scale, interpret, q, k, weights, indices, k_scale, 
         x,
         inputs={
             "rows": ("rows", x.rows), "q": ("q", x.q), "k": ("k", x.k), "weights": ("weights", x.weights),
-            "g": ("columns", _runtime.to_columns(g, x.seq_pad, x.top_k_pad)),
+            "g": ("slots", _runtime.slot_rows(g, x.seq_pad, x.top_k_pad)),
         },
         outputs={
             "dq": ("q", (x.q.shape, grad_dtype)),
@@ -450,7 +469,7 @@ def _sparse_backward(softmax_scale, interpret, q, k, weights, indices, k_scale, 
             pltpu.VMEM((x.top_k_pad, x.head_dim), jnp.float32),
         ],
         semantics=("parallel", "arbitrary"),
-        work=SPARSE_WORK["backward"] * _runtime.sparse_flops(x),
+        work=_runtime.sparse_flops(x, SPARSE_WORK["backward"], SPARSE_ROW_DOTS["backward"]),
         name=f"{VARIANT['name']}_sparse_backward",
         interpret=interpret,
     )  # fmt: skip
