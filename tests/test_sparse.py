@@ -376,3 +376,23 @@ def test_sparse_gradient_executes_mxu_work_in_proportion_to_top_k():
         # outer products, against the dense 7 passes of [W, H, D].
         head_dim = shape[3]
         assert sparse * 7 * shape[4] * head_dim == dense * top_k * (6 * head_dim + 3), (sparse, dense)
+
+
+def test_sparse_score_is_deterministic():
+    """The forward and every gradient, run twice, are equal bit for bit (the dk rows are added in slot
+    order, duplicates included), and topk_indices of equal scores is the same selection."""
+    module = VARIANTS["tpu_sm_fp8_q128_w1024_hc16"]
+    q, k, weights = support.make_inputs(module.VARIANT, (1, 16, 9, 32, 20), seed=9)
+    k_scale = support.key_scale(module.VARIANT, k)["k_scale"]
+    indices = _indices(1, 9, 20, 6, seed=10)
+    sparse = lambda q, k, weights, k_scale: module.sparse_score(
+        q, k, weights, indices, k_scale=k_scale, interpret=True
+    )
+    runs = []
+    for _ in range(2):
+        out, vjp = jax.vjp(sparse, q, k, weights, k_scale)
+        runs.append(
+            [np.asarray(a).view(np.uint8) for a in (out, *vjp(jnp.where(jnp.isfinite(out), 1.0, 0.0)))]
+        )
+    for first, second in zip(*runs):
+        assert np.array_equal(first, second)

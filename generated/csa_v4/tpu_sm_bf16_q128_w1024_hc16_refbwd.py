@@ -9,6 +9,8 @@ Dtypes: q and k bfloat16, weights bfloat16, accumulation float32, output bfloat1
 Gradients: dq and dk bfloat16, dweights bfloat16.
 Tiling: BLOCK_Q queries x BLOCK_W compressed blocks per tile, HEAD_CHUNK heads contracted per grid step.
 Backward: the reference VJP in float32, scanned over head chunks.
+Sparse stage: ``sparse_score`` scores each query's top_k selected blocks (Pallas kernels whose work grows
+with top_k, not W) and ``indexer_loss`` is the KL indexer loss, dense or sparse.
 What every variant shares (input checks, padding, tile ranges, cost estimates) is in ``_runtime``.
 """
 

@@ -9,6 +9,8 @@ Dtypes: q and k float8_e4m3fn with a per-token float32 key scale k_scale [B, W],
 Gradients: dq and dk bfloat16 (float32 math; float8 gradients would be meaningless), dweights float32, dk_scale float32.
 Tiling: BLOCK_Q queries x BLOCK_W compressed blocks per tile, HEAD_CHUNK heads contracted per grid step.
 Backward: two fused Pallas kernels (dq with dweights, and dk) that recompute logits in VMEM.
+Sparse stage: ``sparse_score`` scores each query's top_k selected blocks (Pallas kernels whose work grows
+with top_k, not W) and ``indexer_loss`` is the KL indexer loss, dense or sparse.
 What every variant shares (input checks, padding, tile ranges, cost estimates) is in ``_runtime``.
 """
 
