@@ -921,8 +921,8 @@ def sparse_block_specs(x):
     """BlockSpecs of the sparse kernels over the grid (batch b, q block i).
 
     The indices of one q block come in SMEM through the pipeline (``SPARSE_BLOCK_Q * top_k_pad``
-    words, double-buffered: 64 KiB at top_k = 1024), never the whole [B, S, top_k] array, which
-    does not fit SMEM's 1 MiB; k (and the dk accumulator) are one block per batch element, fetched
+    words, double-buffered: 64 KiB at top_k = 1024; an SMEM-space BlockSpec, which lowers for TPU),
+    never the whole [B, S, top_k] array as scalar prefetch, which does not fit SMEM's 1 MiB; k (and the dk accumulator) are one block per batch element, fetched
     once per b; everything else is one q block's.
     """
     qb = SPARSE_BLOCK_Q
@@ -957,7 +957,8 @@ def gather_rows(rows_ref, k_ref, gathered_ref, s):
 
 def scatter_add_rows(rows_ref, dk_ref, dk_gathered_ref, s):
     """dk row ``rows_ref[s, j]`` += row j of ``dk_gathered_ref``, slot by slot, in order: duplicates
-    add up; an empty slot's row is zero (its cotangent is) and adds nothing."""
+    add up; an empty slot's row is zero (its cotangent is) and adds nothing. A dynamic single-row
+    read-modify-write of float32 VMEM per slot: lowers for TPU (checked on CPU), not run on one."""
 
     def body(j, carry):
         row = rows_ref[s, j]
@@ -1085,6 +1086,8 @@ def kl_over_sets(logits, target, in_set):
 
 
 # lhs [n, m] . rhs [n, p] -> [m, p]: contract the first dimension of both (dlogitsᵀ . k without a transpose).
+# Mosaic's TPU lowering accepts it (and the one-deep g wᵀ of the sparse backward) for [top_k, H] and
+# [top_k, D] operands: verified by lowering on a CPU only, as is everything in this section's kernels.
 CONTRACT_FIRST = (((0,), (0,)), ((), ()))
 
 
