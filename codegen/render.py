@@ -14,6 +14,7 @@ import black
 import jinja2
 
 from codegen import budget
+from codegen import plan as plan_module
 from codegen.pipeline import Family
 from codegen.plan import VariantPlan
 
@@ -70,6 +71,7 @@ def render_variant(env: jinja2.Environment, family: Family, plan: VariantPlan) -
         targets=", ".join(family.spec.targets),
         backward_template=backward_template,
         backward_summary=backward_summary,
+        sparse=dict(zip(("forward", "backward"), plan_module.sparse(variant))),
     )
     return format_source(source)
 

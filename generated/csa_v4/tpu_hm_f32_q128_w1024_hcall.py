@@ -337,7 +337,8 @@ def _backward(softmax_scale, interpret, out_dtype, residuals, g):
 # A query's slots are a lane-dense row of the [B, S_pad, top_k_pad] score and cotangent; the head sums
 # that turn [top_k, H] into such a row (and g into g wᵀ) are [1, H] x [H, top_k]-sized MXU products
 # at HIGHEST precision (1/D of a pass each), as a [top_k, 1] column would need a transpose.
-# Gathered rows in jnp.float32.
+# From the sparse kernel plan (codegen/plan.py, ``sparse``):
+# Gathered rows in float32.
 SPARSE_GATHER_DTYPE = jnp.float32
 SPARSE_BACKWARD_GATHER_DTYPE = jnp.float32
 SPARSE_BACKWARD_PRECISION = MATMUL_PRECISION
