@@ -922,8 +922,9 @@ def sparse_block_specs(x):
 
     The indices of one q block come in SMEM through the pipeline (``SPARSE_BLOCK_Q * top_k_pad``
     words, double-buffered: 64 KiB at top_k = 1024; an SMEM-space BlockSpec, which lowers for TPU),
-    never the whole [B, S, top_k] array as scalar prefetch, which does not fit SMEM's 1 MiB; k (and the dk accumulator) are one block per batch element, fetched
-    once per b; everything else is one q block's.
+    never the whole [B, S, top_k] array as scalar prefetch, which does not fit SMEM's 1 MiB. k (and
+    the dk accumulator) are one block per batch element, fetched once per b; everything else is one
+    q block's.
     """
     qb = SPARSE_BLOCK_Q
     return dict(
@@ -1085,7 +1086,7 @@ def kl_over_sets(logits, target, in_set):
     return jnp.sum(per_row) / jnp.maximum(jnp.sum(nonempty), 1).astype(ACCUM_DTYPE)
 
 
-# lhs [n, m] . rhs [n, p] -> [m, p]: contract the first dimension of both (dlogitsᵀ . k without a transpose).
+# lhs [n, m] . rhs [n, p] -> [m, p]: contract the first dimension of both (dlogitsᵀ . k, no transpose).
 # Mosaic's TPU lowering accepts it (and the one-deep g wᵀ of the sparse backward) for [top_k, H] and
 # [top_k, D] operands: verified by lowering on a CPU only, as is everything in this section's kernels.
 CONTRACT_FIRST = (((0,), (0,)), ((), ()))

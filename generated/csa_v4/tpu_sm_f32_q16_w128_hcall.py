@@ -346,7 +346,7 @@ SPARSE_BACKWARD_PRECISION = MATMUL_PRECISION
 # MXU passes of a [top_k, H, D] matmul per kernel: the forward's logits; the backward's logits, dq and
 # dk.
 SPARSE_WORK = {"forward": 1, "backward": 3}
-# [top_k, H]-sized products per query: the forward's head sum; the backward's g wᵀ and dweights.
+# [top_k, H]-sized products per query: the forward's head sum; the backward's g wᵀ and dweights
 SPARSE_ROW_DOTS = {"forward": 1, "backward": 2}
 ROW_PRECISION = jax.lax.Precision.HIGHEST  # float32 operands: the products keep float32 accuracy
 
@@ -419,9 +419,8 @@ def _sparse_backward_kernel(
         )
         dlogits = jnp.where(logits > 0.0, g_weights, 0.0)  # relu' = 1[logit > 0]
         dq = _runtime.sparse_matmul(dlogits, gathered, _runtime.CONTRACT_FIRST, SPARSE_BACKWARD_PRECISION)
-        dq_ref[s] = (softmax_scale * dq).astype(
-            dq_ref.dtype
-        )  # [H, D], in dq's dtype: no float32 copy of q in HBM
+        # [H, D] in dq's own dtype: no float32 copy of q in HBM.
+        dq_ref[s] = (softmax_scale * dq).astype(dq_ref.dtype)
         dk_gathered_ref[...] = _runtime.sparse_matmul(
             dlogits, q_s, _runtime.CONTRACT_INNER, SPARSE_BACKWARD_PRECISION
         )
