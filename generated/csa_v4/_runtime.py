@@ -892,6 +892,9 @@ class SparseOperands(NamedTuple):
 
 def sparse_prepare(variant, q, k, weights, indices, k_scale, gather_dtype):
     """The ``SparseOperands`` of a checked call (see a variant's ``sparse_score``)."""
+    # An input upcast to float32 (for a float32 sum of its gradient over mesh axes: see vary_together)
+    # goes back to the variant's dtype, exactly; otherwise these do nothing.
+    q, k = q.astype(variant["q_dtype"]), k.astype(variant["k_dtype"])
     batch, num_heads, seq_len, head_dim = q_dims(q, variant["q_layout"])
     num_blocks, top_k = k.shape[1], indices.shape[2]
     seq_pad = round_up(seq_len, SPARSE_BLOCK_Q)
@@ -1004,17 +1007,22 @@ def differentiable_sparse_score(variant, forward, backward, gather_dtypes):
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
     def core(q, k, weights, indices, k_scale, softmax_scale, interpret):
-        return forward(q, k, weights, indices, k_scale, softmax_scale, interpret)
+        arrays = (q, k, weights, indices, k_scale)
+        return interpretable(lambda a: forward(*a, softmax_scale, interpret), arrays, interpret)
 
     def core_fwd(q, k, weights, indices, k_scale, softmax_scale, interpret):
-        out = forward(q, k, weights, indices, k_scale, softmax_scale, interpret)
-        return out, (q, k, weights, indices, k_scale)
+        residuals = (q, k, weights, indices, k_scale)
+        return interpretable(lambda a: forward(*a, softmax_scale, interpret), residuals, interpret), residuals
 
     def core_bwd(softmax_scale, interpret, residuals, g):
-        dq, dk, dweights, dk_scale = backward(softmax_scale, interpret, *residuals, g)
+        grads = interpretable(
+            lambda a: backward(softmax_scale, interpret, *a[0], a[1]), (residuals, g), interpret
+        )
+        dq, dk, dweights, dk_scale = grads
         return dq, dk, dweights, None, dk_scale
 
     core.defvjp(core_fwd, core_bwd)
+    grad_dtypes = [jnp.dtype(variant[key]) for key in ("qk_grad_dtype", "qk_grad_dtype", "weights_dtype")]
 
     def sparse_score(q, k, weights, indices, *, k_scale=None, softmax_scale=None, interpret=False):
         _, _, k_scale, softmax_scale = check_call(variant, q, k, weights, None, None, k_scale, softmax_scale)
@@ -1025,6 +1033,11 @@ def differentiable_sparse_score(variant, forward, backward, gather_dtypes):
             sparse_vmem_limit(
                 k.shape[1], k.shape[2], q_dims(q, variant["q_layout"])[1], pad, k.dtype, dtype, q.dtype
             )
+        # Inside jax.shard_map, as for score: every input varies over the axes any of them does, and the
+        # gradient of one replicated over some (k over a sequence axis) is summed there, in float32.
+        q, k, weights, indices, k_scale = vary_together(
+            (q, k, weights, indices, k_scale), (*grad_dtypes, None, jnp.float32)
+        )
         with jax.named_scope(f"{variant['name']}_sparse"):
             return core(q, k, weights, indices, k_scale, softmax_scale, interpret)
 

@@ -454,7 +454,8 @@ def _sparse_backward(softmax_scale, interpret, q, k, weights, indices, k_scale, 
     """dq, dk, dweights from one pallas_call; dk never exists per slot in HBM."""
     x = _runtime.sparse_prepare(VARIANT, q, k, weights, indices, k_scale, SPARSE_BACKWARD_GATHER_DTYPE)
     g = jnp.where(x.valid, g.astype(jnp.float32), 0.0)  # empty slots get no gradient, whatever g holds there
-    grad_dtype = jnp.dtype(VARIANT["qk_grad_dtype"])
+    dq_dtype = _runtime.grad_dtype(q, jnp.dtype(VARIANT["qk_grad_dtype"]))  # float32 where q arrived upcast
+    dk_dtype = _runtime.grad_dtype(k, jnp.dtype(VARIANT["qk_grad_dtype"]))
     results = _runtime.sparse_call(
         functools.partial(_sparse_backward_kernel, softmax_scale=softmax_scale),
         x,
@@ -463,7 +464,7 @@ def _sparse_backward(softmax_scale, interpret, q, k, weights, indices, k_scale, 
             "g": ("slots", _runtime.slot_rows(g, x.seq_pad, x.top_k_pad)),
         },
         outputs={
-            "dq": ("q", (x.q.shape, grad_dtype)),
+            "dq": ("q", (x.q.shape, dq_dtype)),
             "dweights": ("weights", (x.weights.shape, jnp.float32)),
             "dk": ("k", (x.k.shape, jnp.float32)),
         },
@@ -481,7 +482,7 @@ def _sparse_backward(softmax_scale, interpret, q, k, weights, indices, k_scale, 
     dq = jnp.swapaxes(dq, 1, 2)
     dweights = _runtime.crop_to(dweights, (x.batch, x.seq_len, x.num_heads)).astype(weights.dtype)
     dk = softmax_scale * dk
-    return dq, dk.astype(grad_dtype), dweights, None
+    return dq, dk.astype(dk_dtype), dweights, None
 
 
 _sparse_score = _runtime.differentiable_sparse_score(
@@ -506,6 +507,8 @@ def sparse_score(q, k, weights, indices, *, k_scale=None, softmax_scale=None, in
     matmul; the backward adds each slot's dk row into a float32 dk resident in VMEM (one dynamic
     row += each) and writes dq and dweights per query. Indices come in per q block through SMEM.
     MXU work per kernel: SPARSE_WORK passes of B * S * top_k * H * D multiply-adds.
+    Works inside ``jax.shard_map`` on per-device shards, as ``score`` does (queries and their indices
+    split over an axis, k replicated: dk is summed over it once, in float32).
 
     The one route keeps k and the float32 dk of one batch element in VMEM: at D = 128 that is
     W * 1.5 KiB for bfloat16 k (2 KiB for float32; double-buffered), so the smallest target

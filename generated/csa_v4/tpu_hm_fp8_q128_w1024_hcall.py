@@ -486,7 +486,8 @@ def _sparse_backward(softmax_scale, interpret, q, k, weights, indices, k_scale, 
     """dq, dk, dweights, dk_scale from one pallas_call; dk never exists per slot in HBM."""
     x = _runtime.sparse_prepare(VARIANT, q, k, weights, indices, k_scale, SPARSE_BACKWARD_GATHER_DTYPE)
     g = jnp.where(x.valid, g.astype(jnp.float32), 0.0)  # empty slots get no gradient, whatever g holds there
-    grad_dtype = jnp.dtype(VARIANT["qk_grad_dtype"])
+    dq_dtype = _runtime.grad_dtype(q, jnp.dtype(VARIANT["qk_grad_dtype"]))  # float32 where q arrived upcast
+    dk_dtype = _runtime.grad_dtype(k, jnp.dtype(VARIANT["qk_grad_dtype"]))
     results = _runtime.sparse_call(
         functools.partial(_sparse_backward_kernel, softmax_scale=softmax_scale),
         x,
@@ -495,7 +496,7 @@ def _sparse_backward(softmax_scale, interpret, q, k, weights, indices, k_scale, 
             "g": ("slots", _runtime.slot_rows(g * x.slot_scale, x.seq_pad, x.top_k_pad)),
         },
         outputs={
-            "dq": ("q", (x.q.shape, grad_dtype)),
+            "dq": ("q", (x.q.shape, dq_dtype)),
             "dweights": ("weights", (x.weights.shape, jnp.float32)),
             "dk": ("k", (x.k.shape, jnp.float32)),
             "unscaled": ("slots", (_runtime.slots_shape(x), jnp.float32)),
@@ -516,7 +517,7 @@ def _sparse_backward(softmax_scale, interpret, q, k, weights, indices, k_scale, 
     dk = softmax_scale * dk
     unscaled = _runtime.crop_to(results[3], (x.batch, x.seq_len, x.top_k))
     dk_scale = _runtime.scatter_slots(g * unscaled, x.rows[:, : x.seq_len, : x.top_k], x.num_blocks)
-    return dq, dk.astype(grad_dtype), dweights, dk_scale
+    return dq, dk.astype(dk_dtype), dweights, dk_scale
 
 
 _sparse_score = _runtime.differentiable_sparse_score(
@@ -541,6 +542,8 @@ def sparse_score(q, k, weights, indices, *, k_scale=None, softmax_scale=None, in
     matmul; the backward adds each slot's dk row into a float32 dk resident in VMEM (one dynamic
     row += each) and writes dq and dweights per query. Indices come in per q block through SMEM.
     MXU work per kernel: SPARSE_WORK passes of B * S * top_k * H * D multiply-adds.
+    Works inside ``jax.shard_map`` on per-device shards, as ``score`` does (queries and their indices
+    split over an axis, k replicated: dk is summed over it once, in float32).
 
     The one route keeps k and the float32 dk of one batch element in VMEM: at D = 128 that is
     W * 1.5 KiB for bfloat16 k (2 KiB for float32; double-buffered), so the smallest target
