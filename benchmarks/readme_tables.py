@@ -1,7 +1,8 @@
 """Keeps the README's tables the output of the commands that make them.
 
 Each table in README.md follows a marker line ``<!-- output of: COMMAND -->`` and is the fenced block
-right after it. ``python benchmarks/readme_tables.py`` reruns every COMMAND from the repository root
+right after it (or, after ``<!-- markdown output of: COMMAND -->``, the markdown up to
+``<!-- end of output -->``). ``python benchmarks/readme_tables.py`` reruns every COMMAND from the repository root
 and rewrites its block; ``--check`` writes nothing and exits 1 with a diff when any block has drifted
 (the test suite runs it).
 """
@@ -18,7 +19,12 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-_TABLE = re.compile(r"(<!-- output of: (?P<command>.+?) -->\n```text\n)(?P<body>.*?)(```)", re.DOTALL)
+_TABLE = re.compile(
+    r"(<!-- output of: (?P<command>.+?) -->\n```text\n)(?P<body>.*?)(```)"
+    # Markdown output (a table GitHub renders) runs up to an end marker instead of a fence.
+    r"|(<!-- markdown output of: (?P<md_command>.+?) -->\n)(?P<md_body>.*?)(<!-- end of output -->)",
+    re.DOTALL,
+)
 
 
 def run(command: str) -> str:
@@ -33,7 +39,13 @@ def run(command: str) -> str:
 
 def rendered(text: str) -> str:
     """README text with every marked block replaced by its command's output."""
-    return _TABLE.sub(lambda m: m.group(1) + run(m.group("command")) + m.group(4), text)
+
+    def block(m):
+        if m.group("command") is not None:
+            return m.group(1) + run(m.group("command")) + m.group(4)
+        return m.group(5) + run(m.group("md_command")) + m.group(8)
+
+    return _TABLE.sub(block, text)
 
 
 def main(argv=None) -> int:

@@ -298,3 +298,51 @@ def build(variant: Variant) -> VariantPlan:
 def with_vmem_limits(plan: VariantPlan, limits: dict[str, int | None]) -> VariantPlan:
     kernels = tuple(dataclasses.replace(k, vmem_limit_bytes=limits[k.name]) for k in plan.kernels)
     return dataclasses.replace(plan, kernels=kernels)
+
+
+# The sparse kernels (``sparse_score``): a plan of their own, as they share nothing of the variant's
+# BLOCK_Q x BLOCK_W tiling or head chunk. Their grid is (b batch, i q block of SPARSE_BLOCK_Q queries);
+# k of one batch element is one block, resident in VMEM; indices come per q block in SMEM.
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseKernelPlan:
+    """One sparse pallas_call: the dtype it gathers k rows in, the MXU precision of its [top_k, H, D]
+    matmuls, and its work per query as MXU passes of a [top_k, D] x [D, H] matmul plus the
+    [top_k, H]-sized products (head sums into a row, the outer product g wᵀ)."""
+
+    name: str
+    semantics: tuple[str, str]  # of the grid (b, i)
+    gather_dtype: str
+    precision: str  # "matmul" (the variant's MATMUL_PRECISION) or "highest"
+    mxu_passes: int
+    row_dots: int
+
+
+def sparse(variant: Variant) -> tuple[SparseKernelPlan, SparseKernelPlan]:
+    """The forward and backward sparse kernels of ``variant``.
+
+    Rows are gathered in the MXU type of the variant (float8 rows upcast to bfloat16, exactly). The
+    backward computes as the variant's dense backward does: the fused one's bfloat16 gradient matmuls
+    split the float32 dlogits into a head and a tail (two passes each, float32 accuracy); a variant
+    whose dense backward is the float32 reference VJP gathers float32 rows and multiplies at HIGHEST.
+    """
+    policy = variant.policy
+    mxu_type = F32 if policy.qk == F32 else "bfloat16"
+    if variant.backward == "reference":
+        backward_type, backward_precision = F32, "highest"
+    else:
+        backward_type, backward_precision = mxu_type, "matmul"
+    grad_passes = 1 if backward_type == F32 else 2
+    return (
+        SparseKernelPlan("sparse_forward", (PARALLEL, PARALLEL), mxu_type, "matmul", 1, 1),
+        # dk accumulates over q blocks in a block whose index follows b only: i is a reduction.
+        SparseKernelPlan(
+            "sparse_backward",
+            (PARALLEL, ARBITRARY),
+            backward_type,
+            backward_precision,
+            1 + 2 * grad_passes,  # the logits again, dq and dk
+            3 if policy.k_scale else 2,  # g wᵀ, dweights, and the unscaled score for dk_scale
+        ),
+    )

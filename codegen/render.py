@@ -14,7 +14,8 @@ import math
 import black
 import jinja2
 
-from codegen import masks
+from codegen import budget, masks
+from codegen import plan as plan_module
 from codegen.pipeline import Family
 from codegen.plan import VariantPlan
 
@@ -71,8 +72,19 @@ def render_variant(env: jinja2.Environment, family: Family, plan: VariantPlan) -
         targets=", ".join(family.spec.targets),
         backward_template=backward_template,
         backward_summary=backward_summary,
+        sparse=dict(zip(("forward", "backward"), plan_module.sparse(variant))),
     )
     return format_source(source)
+
+
+def _sparse_vmem(family: Family) -> dict:
+    """The VMEM facts the sparse kernels' resident route is sized by: the smallest capacity, and the
+    smallest default scoped limit, of the spec's TPU targets."""
+    chosen = budget.targets(family.spec, "tpu")
+    return dict(
+        sparse_vmem_capacity=f"{min(c.vmem_bytes for c in chosen)}  # {', '.join(c.name for c in chosen)}",
+        sparse_scoped_default=min(c.scoped_vmem_default_bytes for c in chosen),
+    )
 
 
 def render_family(family: Family) -> dict[str, str]:
@@ -97,6 +109,7 @@ def render_family(family: Family) -> dict[str, str]:
                 masks_source="\n\n".join(
                     inspect.getsource(f) for f in (masks.query_block_bounds, masks.block_kind)
                 ),
+                **_sparse_vmem(family),
             )
         ),
     }

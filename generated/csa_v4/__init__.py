@@ -9,9 +9,19 @@ kernel-ready operands, with the tile ranges the kernels skip by). ``causal_kv_ra
 causal CSA visible range for ``kv_start, kv_end``; ``quantize_fp8_per_token`` makes the keys and
 ``k_scale`` of float8 variants; ``tile_ranges`` is what every kernel skips tiles by, and
 ``block_kind`` how each kernel classifies a compute block (empty, full or partial) from them.
+
+Training the indexer as DeepSeek-V4 does: ``topk_indices(scores, top_k, *, method="exact")`` selects
+each query's top_k blocks (int32 ``[B, S, top_k]``, -1 for "no block"); every module's
+``sparse_score(q, k, weights, indices, *, k_scale=None, softmax_scale=None, interpret=False)`` scores
+only those (``[B, S, top_k]``, forward and backward Pallas kernels whose work grows with top_k, not W),
+and ``indexer_loss(q, k, weights, target, *, indices=None, kv_start=None, kv_end=None, k_scale=None,
+softmax_scale=None, interpret=False)`` is the KL loss against the main attention's distribution,
+dense (every visible block) or sparse (the selected ones).
 """
 
-from ._runtime import COMPRESS_RATE, block_kind, causal_kv_range, quantize_fp8_per_token, tile_ranges
+from ._runtime import (
+    COMPRESS_RATE, block_kind, causal_kv_range, quantize_fp8_per_token, tile_ranges, topk_indices,
+)  # fmt: skip
 
 from . import tpu_hm_bf16_q128_w1024_hc16
 from . import tpu_hm_bf16_q128_w1024_hcall

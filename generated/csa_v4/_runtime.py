@@ -10,6 +10,7 @@ A variant module imports this file as ``from . import _runtime``: copy the two t
 import functools
 import inspect
 import math
+import operator
 import warnings
 from typing import NamedTuple
 
@@ -849,3 +850,397 @@ def quantize_fp8_per_token(x):
     scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
     x_fp8 = jnp.clip(x / scale[..., None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
     return x_fp8, scale
+
+
+# Sparse selection: top-k, the sparse score, the indexer loss.
+#
+# DeepSeek's sparse stage scores, per query, only the top_k compressed blocks the indexer selected.
+# ``topk_indices`` makes the selection; each variant module's ``sparse_score`` scores it with two
+# Pallas kernels (in templates/tpu/sparse.py.j2) whose MXU work is B * S * top_k * H * D, never W;
+# ``indexer_loss`` is the KL loss the indexer is trained with, dense (over every visible block) or
+# sparse (over the selection). What every variant shares of that is here.
+
+APPROX_RECALL_TARGET = 0.95  # topk_indices(method="approx"): jax.lax.approx_max_k's recall target
+SPARSE_BLOCK_Q = 8  # queries per grid step of the sparse kernels (their grid is (batch, q block))
+# VMEM of the sparse kernels' resident route, from the spec's TPU targets: the smallest chip's
+# capacity bounds the W it supports, the smallest default scoped limit decides when to ask for more.
+SPARSE_VMEM_CAPACITY_BYTES = 67108864  # v5e, v5p, v6e, 7x
+SPARSE_SCOPED_VMEM_DEFAULT_BYTES = 16777216
+SPARSE_VMEM_HEADROOM = 1.25  # for Mosaic's own scratch, as codegen's budget of the dense kernels
+SPARSE_GATHER_CHUNK = 8  # rows gathered per store into the scratch; top_k_pad is a multiple of it
+
+
+def topk_indices(scores, top_k, *, method="exact"):
+    """The ``top_k`` highest-scoring compressed blocks of each query: int32 ``[B, S, top_k]``.
+
+    Args:
+      scores: ``[B, S, W]`` scores (any float dtype), e.g. a variant's ``score``; a non-finite entry
+        (``-inf`` where masked, NaN, ``+inf``) is not a visible block and is never selected.
+      top_k: blocks to select per query, ``>= 1``; it may exceed W (the extra slots are -1).
+      method: ``"exact"``: ``jax.lax.top_k``, highest score first, equal scores in increasing block
+        index (the lower block wins a tie). ``"approx"``: ``jax.lax.approx_max_k`` with recall target
+        ``APPROX_RECALL_TARGET`` (0.95: the expected share of the true top_k that is selected, on TPU;
+        on other backends it is exact), highest first; ties there are in no stated order.
+
+    Returns:
+      int32 ``[B, S, top_k]``: slot j of a row holds a block index while j is below the row's number
+      of visible (finite) entries, and -1 ("no block") after. Deterministic: the same scores give
+      the same indices.
+    """
+    if not hasattr(scores, "shape") or not hasattr(scores, "dtype") or scores.ndim != 3:
+        raise ValueError(
+            f"scores must be an array [B, S, W], got shape {tuple(getattr(scores, 'shape', ()))}"
+        )
+    if not jnp.issubdtype(scores.dtype, jnp.floating):
+        raise ValueError(f"scores must be a float array [B, S, W], got {scores.dtype}")
+    try:
+        top_k = operator.index(top_k)  # a Python or NumPy integer, static
+    except TypeError:
+        raise ValueError(f"top_k must be a positive integer, got {top_k!r}") from None
+    if isinstance(top_k, bool) or top_k < 1:
+        raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
+    if method not in ("exact", "approx"):
+        raise ValueError(f'method must be "exact" or "approx", got {method!r}')
+    scores = scores.astype(jnp.float32)
+    visible = jnp.isfinite(scores)
+    scores = jnp.where(visible, scores, -jnp.inf)
+    num_blocks = scores.shape[-1]
+    if top_k > num_blocks:  # top_k and approx_max_k take at most W
+        scores = pad_to(scores, 2, top_k) + jnp.where(jnp.arange(top_k) < num_blocks, 0.0, -jnp.inf)
+    if method == "exact":
+        _, indices = jax.lax.top_k(scores, top_k)
+    else:
+        _, indices = jax.lax.approx_max_k(scores, top_k, recall_target=APPROX_RECALL_TARGET)
+    count = jnp.sum(visible, axis=-1, keepdims=True)
+    return jnp.where(jnp.arange(top_k) < count, indices, -1).astype(jnp.int32)
+
+
+def check_indices(indices, batch, seq_len):
+    """Integer ``[B, S, top_k]`` indices (top_k >= 1) as int32; ValueError naming what does not fit."""
+    if not hasattr(indices, "shape") or not hasattr(indices, "dtype"):
+        raise ValueError(f"indices must be an integer array [B, S, top_k], got {type(indices).__name__}")
+    if not jnp.issubdtype(indices.dtype, jnp.integer):
+        raise ValueError(f"indices must be an integer array (int32) [B, S, top_k], got {indices.dtype}")
+    if indices.ndim != 3 or tuple(indices.shape[:2]) != (batch, seq_len) or indices.shape[2] < 1:
+        raise ValueError(
+            f"indices must be [B={batch}, S={seq_len}, top_k>=1] to match q, got shape {tuple(indices.shape)}"
+        )
+    return jnp.asarray(indices, jnp.int32)
+
+
+def sparse_top_k_pad(top_k, gather_dtype):
+    """top_k rounded up to the sublane tiling of the gathered rows' dtype (8 rows of 32-bit, 16 of 16-bit),
+    a multiple of SPARSE_GATHER_CHUNK."""
+    return round_up(top_k, max(SPARSE_GATHER_CHUNK, 8 * 4 // jnp.dtype(gather_dtype).itemsize))
+
+
+def sparse_vmem_bytes(num_blocks, head_dim, num_heads, top_k_pad, k_dtype, gather_dtype, q_dtype):
+    """VMEM the sparse backward kernel (the larger of the two) holds: k for one batch element and its
+    float32 dk accumulator resident (both double-buffered by the pipeline), the gathered rows and
+    their float32 dk, the query blocks, and the in-flight [top_k, H] float32 tiles."""
+    lanes = lambda n: round_up(n, LANES)
+    resident = 2 * num_blocks * lanes(head_dim) * (jnp.dtype(k_dtype).itemsize + 4)
+    gathered = top_k_pad * lanes(head_dim) * (jnp.dtype(gather_dtype).itemsize + 4)
+    queries = 2 * SPARSE_BLOCK_Q * num_heads * lanes(head_dim) * (jnp.dtype(q_dtype).itemsize + 4)
+    slots = 2 * 3 * SPARSE_BLOCK_Q * lanes(top_k_pad) * 4 + 2 * 2 * SPARSE_BLOCK_Q * lanes(num_heads) * 4
+    tiles = 6 * top_k_pad * lanes(num_heads) * 4
+    return resident + gathered + queries + slots + tiles
+
+
+def sparse_vmem_limit(num_blocks, head_dim, num_heads, top_k_pad, k_dtype, gather_dtype, q_dtype):
+    """The ``vmem_limit_bytes`` of the sparse kernels (None: the default scoped limit is enough).
+
+    Raises ValueError, before anything is traced, when k and the float32 dk accumulator of one batch
+    element do not fit the smallest target's VMEM: the resident route is the only one there is.
+    """
+    need = sparse_vmem_bytes(num_blocks, head_dim, num_heads, top_k_pad, k_dtype, gather_dtype, q_dtype)
+    if need <= SPARSE_SCOPED_VMEM_DEFAULT_BYTES:
+        return None
+    limit = round_up(int(need * SPARSE_VMEM_HEADROOM), 1 << 20)
+    if limit > SPARSE_VMEM_CAPACITY_BYTES:
+        per_block = sparse_vmem_bytes(
+            1, head_dim, num_heads, 0, k_dtype, gather_dtype, q_dtype
+        ) - sparse_vmem_bytes(0, head_dim, num_heads, 0, k_dtype, gather_dtype, q_dtype)
+        fixed = sparse_vmem_bytes(0, head_dim, num_heads, top_k_pad, k_dtype, gather_dtype, q_dtype)
+        most = int((SPARSE_VMEM_CAPACITY_BYTES / SPARSE_VMEM_HEADROOM - fixed) // per_block)
+        raise ValueError(
+            f"sparse_score keeps k and a float32 dk of all W={num_blocks} blocks resident in VMEM: "
+            f"{need / (1 << 20):.1f} MiB ({limit >> 20} MiB with headroom) at D={head_dim}, H={num_heads}, "
+            f"top_k={top_k_pad}, more than the {SPARSE_VMEM_CAPACITY_BYTES >> 20} MiB of the smallest target; "
+            f"it supports W <= {most} here. Split the keys (context parallelism) or use score"
+        )
+    return limit
+
+
+class SparseOperands(NamedTuple):
+    """Kernel-ready operands of the sparse kernels: queries padded to whole q blocks of
+    ``SPARSE_BLOCK_Q``, slots to ``top_k_pad``."""
+
+    q: jax.Array  # [B, S_pad, H, D] (head-major q is transposed: a copy of q, nothing of W)
+    k: jax.Array  # [B, W, D] as given: one block per batch element, resident in VMEM
+    weights: jax.Array  # [B, S_pad, H] float32
+    rows: jax.Array  # [B, S_pad, top_k_pad] int32: the block each slot gathers; 0 for an empty slot
+    valid: jax.Array  # [B, S, top_k] bool: the slot's index lies in [0, W)
+    slot_scale: jax.Array | None  # [B, S, top_k] float32: k_scale of each slot's block (float8 variants)
+    batch: int
+    num_heads: int
+    seq_len: int
+    num_blocks: int
+    head_dim: int
+    top_k: int
+    seq_pad: int
+    top_k_pad: int
+    vmem_limit_bytes: int | None
+
+    @property
+    def num_q_blocks(self):
+        return self.seq_pad // SPARSE_BLOCK_Q
+
+
+def sparse_prepare(variant, q, k, weights, indices, k_scale, gather_dtype):
+    """The ``SparseOperands`` of a checked call (see a variant's ``sparse_score``)."""
+    # An input upcast to float32 (for a float32 sum of its gradient over mesh axes: see vary_together)
+    # goes back to the variant's dtype, exactly; otherwise these do nothing.
+    q, k = q.astype(variant["q_dtype"]), k.astype(variant["k_dtype"])
+    batch, num_heads, seq_len, head_dim = q_dims(q, variant["q_layout"])
+    num_blocks, top_k = k.shape[1], indices.shape[2]
+    seq_pad = round_up(seq_len, SPARSE_BLOCK_Q)
+    top_k_pad = sparse_top_k_pad(top_k, gather_dtype)
+    vmem_limit = sparse_vmem_limit(num_blocks, head_dim, num_heads, top_k_pad, k.dtype, gather_dtype, q.dtype)
+    if variant["q_layout"] == "head_major":
+        q = jnp.swapaxes(q, 1, 2)  # [B, S, H, D]: one query's heads are one [H, D] block
+    valid = (indices >= 0) & (indices < num_blocks)
+    rows = jnp.where(valid, indices, 0)  # an empty slot gathers block 0; its score is masked after
+    slot_scale = None
+    if k_scale is not None:
+        slot_scale = jnp.take_along_axis(k_scale, rows.reshape(batch, -1), axis=1).reshape(rows.shape)
+    return SparseOperands(
+        pad_to(q, 1, seq_pad), k, pad_to(weights.astype(ACCUM_DTYPE), 1, seq_pad),
+        pad_to(pad_to(rows, 2, top_k_pad), 1, seq_pad), valid, slot_scale,
+        batch, num_heads, seq_len, num_blocks, head_dim, top_k, seq_pad, top_k_pad, vmem_limit,
+    )  # fmt: skip
+
+
+def slot_rows(x, seq_pad, top_k_pad):
+    """float32 ``[B, S, top_k]`` padded to ``[B, S_pad, top_k_pad]``: one lane-dense row of slots per query,
+    as the kernels read the cotangent and write the score."""
+    return pad_to(pad_to(x.astype(ACCUM_DTYPE), 1, seq_pad), 2, top_k_pad)
+
+
+def sparse_block_specs(x):
+    """BlockSpecs of the sparse kernels over the grid (batch b, q block i).
+
+    The indices of one q block come in SMEM through the pipeline (``SPARSE_BLOCK_Q * top_k_pad``
+    words, double-buffered: 64 KiB at top_k = 1024; an SMEM-space BlockSpec, which lowers for TPU),
+    never the whole [B, S, top_k] array as scalar prefetch, which does not fit SMEM's 1 MiB. k (and
+    the dk accumulator) are one block per batch element, fetched once per b; everything else is one
+    q block's.
+    """
+    qb = SPARSE_BLOCK_Q
+    return dict(
+        rows=pl.BlockSpec((None, qb, x.top_k_pad), lambda b, i: (b, i, 0), memory_space=pltpu.SMEM),
+        q=pl.BlockSpec((None, qb, x.num_heads, x.head_dim), lambda b, i: (b, i, 0, 0)),
+        k=pl.BlockSpec((None, x.num_blocks, x.head_dim), lambda b, i: (b, 0, 0)),
+        weights=pl.BlockSpec((None, qb, x.num_heads), lambda b, i: (b, i, 0)),
+        slots=pl.BlockSpec((None, qb, x.top_k_pad), lambda b, i: (b, i, 0)),
+    )
+
+
+def gather_rows(rows_ref, k_ref, gathered_ref, s):
+    """Row ``rows_ref[s, j]`` of the resident k block into row j of ``gathered_ref``, for every slot j.
+
+    One dynamic single-row VMEM read per slot (a vector gather does not lower for TPU), and one
+    aligned store per SPARSE_GATHER_CHUNK slots (their rows concatenated): fewer, full-tile stores
+    than a row at a time, and, interpreted, an eighth of the scratch copies XLA makes at each store.
+    For 16- and 8-bit k these are single rows of packed sublane tiles: Mosaic's TPU lowering accepts
+    them (checked on CPU by the tests), but they were not run on a TPU here.
+    """
+    chunk = SPARSE_GATHER_CHUNK
+
+    def body(c, carry):
+        j = pl.multiple_of(c * chunk, chunk)
+        rows = [k_ref[pl.ds(rows_ref[s, j + t], 1), :] for t in range(chunk)]
+        gathered_ref[pl.ds(j, chunk), :] = jnp.concatenate(rows, axis=0).astype(gathered_ref.dtype)
+        return carry
+
+    jax.lax.fori_loop(0, gathered_ref.shape[0] // chunk, body, 0)
+
+
+def scatter_add_rows(rows_ref, dk_ref, dk_gathered_ref, s):
+    """dk row ``rows_ref[s, j]`` += row j of ``dk_gathered_ref``, slot by slot, in order: duplicates
+    add up; an empty slot's row is zero (its cotangent is) and adds nothing. A dynamic single-row
+    read-modify-write of float32 VMEM per slot: lowers for TPU (checked on CPU), not run on one."""
+
+    def body(j, carry):
+        row = rows_ref[s, j]
+        dk_ref[pl.ds(row, 1), :] += dk_gathered_ref[pl.ds(j, 1), :]
+        return carry
+
+    jax.lax.fori_loop(0, dk_gathered_ref.shape[0], body, 0)
+
+
+def sparse_call(kernel, x, *, inputs, outputs, scratch, semantics, work, name, interpret):
+    """One pallas_call of a sparse kernel over the grid (batch, q block); returns its outputs.
+
+    ``inputs``/``outputs``: operand name -> (spec name in ``sparse_block_specs``, array or
+    (shape, dtype)); ``work``: MXU FLOPs of one call, for XLA's scheduling.
+    """
+    specs = sparse_block_specs(x)
+    out_shape = [out_struct(shape, dtype, x.q) for _, (shape, dtype) in outputs.values()]
+    moved = sum(a.size * a.dtype.itemsize for _, a in inputs.values())
+    moved += sum(
+        math.prod(shape) * jnp.dtype(dtype).itemsize for shape, dtype in (o for _, o in outputs.values())
+    )
+    return pl.pallas_call(
+        kernel,
+        grid=(x.batch, x.num_q_blocks),
+        in_specs=[specs[spec] for spec, _ in inputs.values()],
+        out_specs=[specs[spec] for spec, _ in outputs.values()],
+        out_shape=out_shape,
+        scratch_shapes=scratch,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=semantics, vmem_limit_bytes=x.vmem_limit_bytes
+        ),
+        cost_estimate=pl.CostEstimate(flops=work, transcendentals=0, bytes_accessed=moved),
+        interpret=interpret,
+        name=name,
+    )(*(a for _, a in inputs.values()))
+
+
+def differentiable_sparse_score(variant, forward, backward, gather_dtypes):
+    """A variant's ``sparse_score`` over its two kernels: a ``jax.custom_vjp`` whose residuals are the
+    inputs only (the backward gathers and recomputes the logits). ``gather_dtypes``: the dtypes the
+    forward and the backward gather k rows in, for the VMEM check made before anything is traced."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+    def core(q, k, weights, indices, k_scale, softmax_scale, interpret):
+        arrays = (q, k, weights, indices, k_scale)
+        return interpretable(lambda a: forward(*a, softmax_scale, interpret), arrays, interpret)
+
+    def core_fwd(q, k, weights, indices, k_scale, softmax_scale, interpret):
+        residuals = (q, k, weights, indices, k_scale)
+        return interpretable(lambda a: forward(*a, softmax_scale, interpret), residuals, interpret), residuals
+
+    def core_bwd(softmax_scale, interpret, residuals, g):
+        grads = interpretable(
+            lambda a: backward(softmax_scale, interpret, *a[0], a[1]), (residuals, g), interpret
+        )
+        dq, dk, dweights, dk_scale = grads
+        return dq, dk, dweights, None, dk_scale
+
+    core.defvjp(core_fwd, core_bwd)
+    grad_dtypes = [jnp.dtype(variant[key]) for key in ("qk_grad_dtype", "qk_grad_dtype", "weights_dtype")]
+
+    def sparse_score(q, k, weights, indices, *, k_scale=None, softmax_scale=None, interpret=False):
+        _, _, k_scale, softmax_scale = check_call(variant, q, k, weights, None, None, k_scale, softmax_scale)
+        batch, _, seq_len, _ = q_dims(q, variant["q_layout"])
+        indices = check_indices(indices, batch, seq_len)
+        for dtype in gather_dtypes:  # raises ValueError naming W when k and dk do not fit VMEM
+            pad = sparse_top_k_pad(indices.shape[2], dtype)
+            sparse_vmem_limit(
+                k.shape[1], k.shape[2], q_dims(q, variant["q_layout"])[1], pad, k.dtype, dtype, q.dtype
+            )
+        # Inside jax.shard_map, as for score: every input varies over the axes any of them does, and the
+        # gradient of one replicated over some (k over a sequence axis) is summed there, in float32.
+        q, k, weights, indices, k_scale = vary_together(
+            (q, k, weights, indices, k_scale), (*grad_dtypes, None, jnp.float32)
+        )
+        with jax.named_scope(f"{variant['name']}_sparse"):
+            return core(q, k, weights, indices, k_scale, softmax_scale, interpret)
+
+    return sparse_score
+
+
+def indexer_loss(score, sparse_score, q, k, weights, target, *, indices=None, kv_start=None, kv_end=None,
+                 k_scale=None, softmax_scale=None, interpret=False):  # fmt: skip
+    """A variant's ``indexer_loss`` over its ``score`` and ``sparse_score`` (see there)."""
+    if (
+        not hasattr(target, "shape")
+        or not hasattr(target, "dtype")
+        or not jnp.issubdtype(target.dtype, jnp.floating)
+    ):
+        raise ValueError(
+            f"target must be a float array, got {getattr(target, 'dtype', type(target).__name__)}"
+        )
+    kwargs = dict(k_scale=k_scale, softmax_scale=softmax_scale, interpret=interpret)
+    if indices is None:
+        logits = score(q, k, weights, kv_start=kv_start, kv_end=kv_end, **kwargs)
+        if tuple(target.shape) != tuple(logits.shape):
+            raise ValueError(
+                f"target must be [B, S, W] {tuple(logits.shape)} like the score, got {tuple(target.shape)}"
+            )
+        in_set = jnp.isfinite(logits)  # the visible blocks
+    else:
+        logits = sparse_score(q, k, weights, indices, **kwargs)
+        if tuple(target.shape) != tuple(indices.shape):
+            raise ValueError(
+                f"target must be [B, S, top_k] {tuple(indices.shape)} like indices, got {tuple(target.shape)}"
+            )
+        in_set = (indices >= 0) & (indices < k.shape[1])
+        shape = indices.shape[:2]
+        if kv_start is not None:
+            in_set &= indices >= check_kv_bound("kv_start", kv_start, shape, 0)[..., None]
+        if kv_end is not None:
+            in_set &= indices < check_kv_bound("kv_end", kv_end, shape, k.shape[1])[..., None]
+    return kl_over_sets(logits, target, in_set)
+
+
+def kl_over_sets(logits, target, in_set):
+    """The mean over rows with a non-empty set of KL(target || softmax(logits)), both restricted to the
+    row's set, the target renormalised there; float32. A row whose target has no mass on its set adds
+    0 (and is still one of the rows averaged over). Never NaN: entries outside the set are replaced
+    before any arithmetic (their gradient is exactly 0), and with no non-empty set the loss is 0."""
+    target = jax.lax.stop_gradient(jnp.where(in_set, target.astype(ACCUM_DTYPE), 0.0))
+    logits = jnp.where(in_set, logits.astype(ACCUM_DTYPE), 0.0)  # -inf outside the set never reaches exp
+    mass = jnp.sum(target, axis=-1, keepdims=True)
+    nonempty = jnp.any(in_set, axis=-1, keepdims=True)
+    counts = nonempty & (mass > 0)
+    p = target / jnp.where(counts, mass, 1.0)
+    top = jax.lax.stop_gradient(jnp.max(jnp.where(in_set, logits, -jnp.inf), axis=-1, keepdims=True))
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    total = jnp.sum(jnp.where(in_set, jnp.exp(logits - top), 0.0), axis=-1, keepdims=True)
+    log_q = logits - top - jnp.log(jnp.where(counts, total, 1.0))
+    positive = p > 0
+    terms = jnp.where(positive, p * (jnp.log(jnp.where(positive, p, 1.0)) - log_q), 0.0)
+    per_row = jnp.where(counts, jnp.sum(terms, axis=-1, keepdims=True), 0.0)
+    return jnp.sum(per_row) / jnp.maximum(jnp.sum(nonempty), 1).astype(ACCUM_DTYPE)
+
+
+# lhs [n, m] . rhs [n, p] -> [m, p]: contract the first dimension of both (dlogitsᵀ . k, no transpose).
+# Mosaic's TPU lowering accepts it (and the one-deep g wᵀ of the sparse backward) for [top_k, H] and
+# [top_k, D] operands: verified by lowering on a CPU only, as is everything in this section's kernels.
+CONTRACT_FIRST = (((0,), (0,)), ((), ()))
+
+
+def sparse_matmul(lhs, rhs, dimension_numbers, precision):
+    """float32 ``lhs`` against ``rhs`` as ``dimension_numbers`` say, in float32: one MXU pass at
+    ``precision`` when rhs is float32, else lhs split into a head and a tail of rhs's type, two
+    passes (as ``split_matmul``: ~16 bits of lhs kept, rhs exact)."""
+    if rhs.dtype == lhs.dtype:
+        return jax.lax.dot_general(
+            lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=ACCUM_DTYPE
+        )
+    head = lhs.astype(rhs.dtype)
+    tail = (lhs - head.astype(lhs.dtype)).astype(rhs.dtype)
+    return jax.lax.dot_general(
+        head, rhs, dimension_numbers, preferred_element_type=ACCUM_DTYPE
+    ) + jax.lax.dot_general(tail, rhs, dimension_numbers, preferred_element_type=ACCUM_DTYPE)
+
+
+def scatter_slots(values, rows, num_blocks):
+    """float32 ``[B, W]``: per batch element, the sum of ``values [B, S, top_k]`` over the slots whose
+    block is ``rows [B, S, top_k]`` (duplicates add up). An XLA scatter-add of B * S * top_k scalars."""
+    batch = values.shape[0]
+    add = lambda v, r: jnp.zeros((num_blocks,), ACCUM_DTYPE).at[r].add(v)
+    return jax.vmap(add)(values.reshape(batch, -1), rows.reshape(batch, -1))
+
+
+def slots_shape(x):
+    """The ``[B, S_pad, top_k_pad]`` shape of a per-slot array of the call ``x`` (``SparseOperands``)."""
+    return (x.batch, x.seq_pad, x.top_k_pad)
+
+
+def sparse_flops(x, passes, row_dots):
+    """MXU FLOPs of a sparse kernel: per query ``passes`` [top_k_pad, D] x [D, H] matmuls and ``row_dots``
+    [top_k_pad, H]-sized ones contracting a single row or column (head sums, the outer product g wᵀ)."""
+    return 2 * x.batch * x.seq_pad * x.top_k_pad * x.num_heads * (passes * x.head_dim + row_dots)

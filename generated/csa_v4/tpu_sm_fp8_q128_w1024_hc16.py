@@ -11,6 +11,8 @@ Tiling: BLOCK_Q queries x BLOCK_W compressed blocks per tile (one DMA each), com
 blocks at a time, HEAD_CHUNK heads contracted per grid step. A compute block no query of its q block
 may see does no work; only one that some queries see in part builds a mask.
 Backward: two fused Pallas kernels (dq with dweights, and dk) that recompute logits in VMEM.
+Sparse stage: ``sparse_score`` scores each query's top_k selected blocks (Pallas kernels whose work grows
+with top_k, not W) and ``indexer_loss`` is the KL indexer loss, dense or sparse.
 What every variant shares (input checks, padding, tile ranges, cost estimates) is in ``_runtime``.
 """
 
@@ -445,6 +447,228 @@ def _backward(softmax_scale, interpret, out_dtype, residuals, g):
 
     dk = _runtime.crop_to(results[0], (x.batch, x.num_blocks, x.head_dim))
     return dq, dk, dweights, None, None, _runtime.crop_to(results[1][:, :, 0], k_scale.shape)
+
+
+# The sparse score: per query, only the top_k blocks of ``indices``. Blocking: grid (batch, q block of
+# _runtime.SPARSE_BLOCK_Q queries), nothing of the variant's BLOCK_Q x BLOCK_W tiling or head chunk;
+# k of one batch element is one resident VMEM block (fetched once per b), and per query the kernel
+# gathers its top_k rows into VMEM scratch and contracts all heads at once: [top_k, D] x [H, D]^T,
+# a [top_k, H] tile of logits. MXU work: B * S_pad * top_k_pad * H * D per pass, never W.
+# A query's slots are a lane-dense row of the [B, S_pad, top_k_pad] score and cotangent; the head sums
+# that turn [top_k, H] into such a row (and g into g wᵀ) are [1, H] x [H, top_k]-sized MXU products
+# at HIGHEST precision (1/D of a pass each), as a [top_k, 1] column would need a transpose.
+# From the sparse kernel plan (codegen/plan.py, ``sparse``):
+# Gathered rows in bfloat16 (float8 rows upcast, exactly).
+SPARSE_GATHER_DTYPE = jnp.bfloat16
+SPARSE_BACKWARD_GATHER_DTYPE = jnp.bfloat16
+SPARSE_BACKWARD_PRECISION = MATMUL_PRECISION
+# MXU passes of a [top_k, H, D] matmul per kernel: the forward's logits; the backward's logits, dq and
+# dk, each of the last two split into a bfloat16 head and tail (float32 accuracy, as the fused backward).
+SPARSE_WORK = {"forward": 1, "backward": 5}
+# [top_k, H]-sized products per query: the forward's head sum; the backward's g wᵀ and dweights,
+# and the unscaled score (d score / d k_scale).
+SPARSE_ROW_DOTS = {"forward": 1, "backward": 3}
+ROW_PRECISION = jax.lax.Precision.HIGHEST  # float32 operands: the products keep float32 accuracy
+
+
+def _sparse_query(q_ref, s, dtype):
+    """Query ``s`` of the q block, all heads: ``[H, D]`` in ``dtype`` (a no-op, or an exact upcast)."""
+    return q_ref[s].astype(dtype)
+
+
+def _sparse_logits(gathered, q_s, precision):
+    """gathered [top_k, D] . q_s [H, D]^T in float32: every head's logits of one query's selected blocks."""
+    return jax.lax.dot_general(
+        gathered,
+        q_s,
+        _runtime.CONTRACT_LAST,
+        precision=precision,
+        preferred_element_type=_runtime.ACCUM_DTYPE,
+    )
+
+
+def _head_sum(weights, activated):
+    """sum_h weights[0, h] * activated[:, h] as a lane-dense row: [1, H] . [top_k, H]^T -> [1, top_k]."""
+    return jax.lax.dot_general(
+        weights,
+        activated,
+        _runtime.CONTRACT_LAST,
+        precision=ROW_PRECISION,
+        preferred_element_type=jnp.float32,
+    )
+
+
+def _sparse_forward_kernel(rows_ref, q_ref, k_ref, weights_ref, out_ref, gathered_ref, *, softmax_scale):
+    """Scores of SPARSE_BLOCK_Q queries, a row each: softmax_scale * sum_h weights_h * relu(logits)."""
+    for s in range(_runtime.SPARSE_BLOCK_Q):
+        _runtime.gather_rows(rows_ref, k_ref, gathered_ref, s)
+        logits = _sparse_logits(
+            gathered_ref[...], _sparse_query(q_ref, s, gathered_ref.dtype), MATMUL_PRECISION
+        )
+        weights = weights_ref[s : s + 1, :]  # [1, H]
+        out_ref[s : s + 1, :] = softmax_scale * _head_sum(weights, jnp.maximum(logits, 0.0))
+
+
+def _sparse_backward_kernel(
+    rows_ref, q_ref, k_ref, weights_ref, g_ref,  # inputs
+    dq_ref, dweights_ref, dk_ref, unscaled_ref,  # outputs
+    gathered_ref, dk_gathered_ref,  # scratch
+    *, softmax_scale,
+):  # fmt: skip
+    """dq and dweights of SPARSE_BLOCK_Q queries; their dk rows added into the resident float32 dk
+    block, which is the output itself: its index follows b only, the q-block axis is "arbitrary"."""
+
+    @pl.when(pl.program_id(1) == 0)
+    def _zero():
+        dk_ref[...] = jnp.zeros_like(dk_ref)
+
+    for s in range(_runtime.SPARSE_BLOCK_Q):
+        _runtime.gather_rows(rows_ref, k_ref, gathered_ref, s)
+        gathered = gathered_ref[...]
+        q_s = _sparse_query(q_ref, s, gathered.dtype)
+        logits = _sparse_logits(gathered, q_s, SPARSE_BACKWARD_PRECISION)  # [top_k, H]
+        g = g_ref[s : s + 1, :]  # [1, top_k]: zero at empty slots, times each slot's k_scale
+        weights = weights_ref[s : s + 1, :]  # [1, H]
+        activated = jnp.maximum(logits, 0.0)
+        dweights_ref[s : s + 1, :] = softmax_scale * jax.lax.dot_general(
+            g, activated, _runtime.CONTRACT_INNER, precision=ROW_PRECISION, preferred_element_type=jnp.float32
+        )  # [1, H]
+        # d score / d k_scale of each slot, up to the cotangent: the score before the scale.
+        unscaled_ref[s : s + 1, :] = softmax_scale * _head_sum(weights, activated)
+        # g_j * weights_h as the outer product g wᵀ (a one-deep MXU product): [top_k, H].
+        g_weights = jax.lax.dot_general(
+            g, weights, _runtime.CONTRACT_FIRST, precision=ROW_PRECISION, preferred_element_type=jnp.float32
+        )
+        dlogits = jnp.where(logits > 0.0, g_weights, 0.0)  # relu' = 1[logit > 0]
+        dq = _runtime.sparse_matmul(dlogits, gathered, _runtime.CONTRACT_FIRST, SPARSE_BACKWARD_PRECISION)
+        # [H, D] in dq's own dtype: no float32 copy of q in HBM.
+        dq_ref[s] = (softmax_scale * dq).astype(dq_ref.dtype)
+        dk_gathered_ref[...] = _runtime.sparse_matmul(
+            dlogits, q_s, _runtime.CONTRACT_INNER, SPARSE_BACKWARD_PRECISION
+        )
+        _runtime.scatter_add_rows(rows_ref, dk_ref, dk_gathered_ref, s)
+
+
+def _sparse_forward(q, k, weights, indices, k_scale, softmax_scale, interpret):
+    """The sparse score in float32: one pallas_call, then the empty slots masked."""
+    x = _runtime.sparse_prepare(VARIANT, q, k, weights, indices, k_scale, SPARSE_GATHER_DTYPE)
+    (out,) = _runtime.sparse_call(
+        functools.partial(_sparse_forward_kernel, softmax_scale=softmax_scale),
+        x,
+        inputs={
+            "rows": ("rows", x.rows),
+            "q": ("q", x.q),
+            "k": ("k", x.k),
+            "weights": ("weights", x.weights),
+        },
+        outputs={"out": ("slots", (_runtime.slots_shape(x), jnp.float32))},
+        scratch=[pltpu.VMEM((x.top_k_pad, x.head_dim), SPARSE_GATHER_DTYPE)],
+        semantics=("parallel", "parallel"),
+        work=_runtime.sparse_flops(x, SPARSE_WORK["forward"], SPARSE_ROW_DOTS["forward"]),
+        name=f"{VARIANT['name']}_sparse_forward",
+        interpret=interpret,
+    )
+    out = _runtime.crop_to(out, (x.batch, x.seq_len, x.top_k))
+    out = out * x.slot_scale  # relu(q.k * s) = relu(q.k) * s for s > 0
+    return jnp.where(x.valid, out, _runtime.MASKED_VALUE).astype(VARIANT["out_dtype"])
+
+
+def _sparse_backward(softmax_scale, interpret, q, k, weights, indices, k_scale, g):
+    """dq, dk, dweights, dk_scale from one pallas_call; dk never exists per slot in HBM."""
+    x = _runtime.sparse_prepare(VARIANT, q, k, weights, indices, k_scale, SPARSE_BACKWARD_GATHER_DTYPE)
+    g = jnp.where(x.valid, g.astype(jnp.float32), 0.0)  # empty slots get no gradient, whatever g holds there
+    dq_dtype = _runtime.grad_dtype(q, jnp.dtype(VARIANT["qk_grad_dtype"]))  # float32 where q arrived upcast
+    dk_dtype = _runtime.grad_dtype(k, jnp.dtype(VARIANT["qk_grad_dtype"]))
+    results = _runtime.sparse_call(
+        functools.partial(_sparse_backward_kernel, softmax_scale=softmax_scale),
+        x,
+        inputs={
+            "rows": ("rows", x.rows), "q": ("q", x.q), "k": ("k", x.k), "weights": ("weights", x.weights),
+            "g": ("slots", _runtime.slot_rows(g * x.slot_scale, x.seq_pad, x.top_k_pad)),
+        },
+        outputs={
+            "dq": ("q", (x.q.shape, dq_dtype)),
+            "dweights": ("weights", (x.weights.shape, jnp.float32)),
+            "dk": ("k", (x.k.shape, jnp.float32)),
+            "unscaled": ("slots", (_runtime.slots_shape(x), jnp.float32)),
+        },
+        scratch=[
+            pltpu.VMEM((x.top_k_pad, x.head_dim), SPARSE_BACKWARD_GATHER_DTYPE),
+            pltpu.VMEM((x.top_k_pad, x.head_dim), jnp.float32),
+        ],
+        semantics=("parallel", "arbitrary"),
+        work=_runtime.sparse_flops(x, SPARSE_WORK["backward"], SPARSE_ROW_DOTS["backward"]),
+        name=f"{VARIANT['name']}_sparse_backward",
+        interpret=interpret,
+    )  # fmt: skip
+    dq, dweights, dk = results[:3]
+    dq = _runtime.crop_to(dq, (x.batch, x.seq_len, x.num_heads, x.head_dim))
+    dweights = _runtime.crop_to(dweights, (x.batch, x.seq_len, x.num_heads)).astype(weights.dtype)
+    dk = softmax_scale * dk
+    unscaled = _runtime.crop_to(results[3], (x.batch, x.seq_len, x.top_k))
+    dk_scale = _runtime.scatter_slots(g * unscaled, x.rows[:, : x.seq_len, : x.top_k], x.num_blocks)
+    return dq, dk.astype(dk_dtype), dweights, dk_scale
+
+
+_sparse_score = _runtime.differentiable_sparse_score(
+    VARIANT, _sparse_forward, _sparse_backward, (SPARSE_GATHER_DTYPE, SPARSE_BACKWARD_GATHER_DTYPE)
+)
+
+
+def sparse_score(q, k, weights, indices, *, k_scale=None, softmax_scale=None, interpret=False):
+    """Returns the ``[B, S, top_k]`` float32 score of each query against its selected blocks.
+
+    ``out[b, s, j] = score[b, s, indices[b, s, j]]``, -inf where the index is -1 or outside
+    [0, W) (both mean "no block"). Differentiable in q, k and weights and k_scale: duplicate
+    indices add up, empty slots get no gradient. Nothing of size W per query is computed.
+
+    Args:
+      q, k, weights, k_scale, softmax_scale, interpret: as for ``score``.
+      indices: integer [B, S, top_k] block indices, e.g. from ``topk_indices``.
+
+    Kernels: a forward and one backward pallas_call over the grid (batch, q block of
+    _runtime.SPARSE_BLOCK_Q queries). Per query: top_k rows of k gathered from the VMEM-resident
+    k into scratch (one dynamic row read each), all heads contracted in one [top_k, D] x [D, H]
+    matmul; the backward adds each slot's dk row into a float32 dk resident in VMEM (one dynamic
+    row += each) and writes dq and dweights per query. Indices come in per q block through SMEM.
+    MXU work per kernel: SPARSE_WORK passes of B * S * top_k * H * D multiply-adds.
+    Works inside ``jax.shard_map`` on per-device shards, as ``score`` does (queries and their indices
+    split over an axis, k replicated: dk is summed over it once, in float32).
+
+    The one route keeps k and the float32 dk of one batch element in VMEM: at D = 128 that is
+    W * 1.5 KiB for bfloat16 k (2 KiB for float32; double-buffered), so the smallest target
+    (_runtime.SPARSE_VMEM_CAPACITY_BYTES) holds W up to ~30000 bfloat16 keys (~22000 float32, ~36000
+    float8) at H = 64, top_k = 1024: 128k-token context (W = 32768 at compress rate 4) is just past it
+    for bfloat16, 1M context (W = 262144) far past.
+    Beyond it, a ValueError naming W and the limit is raised before anything is traced.
+    Verified only by lowering (Mosaic's TPU lowering, run on a CPU by the tests), never run on a
+    TPU: the dynamic single-row reads and writes of float8 and bfloat16 rows and the SMEM index blocks;
+    in interpret mode the kernels are checked against the reference.
+    """
+    return _sparse_score(
+        q, k, weights, indices, k_scale=k_scale, softmax_scale=softmax_scale, interpret=interpret
+    )
+
+
+def indexer_loss(
+    q, k, weights, target, *, indices=None, kv_start=None, kv_end=None, k_scale=None, softmax_scale=None,
+    interpret=False,
+):  # fmt: skip
+    """DeepSeek's indexer loss: the float32 mean, over queries whose set is non-empty, of
+    ``KL(target || softmax(score))`` over the set, the target renormalised on it.
+
+    Dense (``indices=None``): ``target`` is [B, S, W], the set is the blocks visible through
+    ``kv_start``/``kv_end``, and the score is ``score``'s. Sparse: ``target`` is [B, S, top_k], aligned
+    with ``indices``, the set is the slots whose index lies in [0, W) (and in [kv_start, kv_end) where
+    given), and the score is ``sparse_score``'s; a block selected twice is two entries of the set.
+    The log-softmax is float32; ``target`` is a constant (no gradient), taken as non-negative.
+    Differentiable in q, k and weights. A row whose set is empty adds 0 and is not averaged over; one
+    whose target has no mass on its set adds 0 (and is). With no non-empty set the loss is 0, never NaN.
+    """
+    return _runtime.indexer_loss(
+        score, sparse_score, q, k, weights, target, indices=indices, kv_start=kv_start, kv_end=kv_end,
+        k_scale=k_scale, softmax_scale=softmax_scale, interpret=interpret,
+    )  # fmt: skip
 
 
 # The call contract (checks, the defaults filled in) and the differentiable score over this module's

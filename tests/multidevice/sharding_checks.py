@@ -168,6 +168,43 @@ def test_score_inside_a_users_shard_map_with_replicated_keys():
     assert_matches("user shard_map over the sequence", F32_HM, out, grads, expected, diff, bounds, cotangent)
 
 
+@pytest.mark.parametrize("module", [BF16, FP8], ids=lambda m: m.VARIANT["name"])
+def test_sparse_score_inside_a_users_shard_map_with_replicated_keys(module):
+    """sparse_score with the queries (and their indices) sharded over a sequence axis and k replicated:
+    the same scores and gradients as on one device, dk (and dk_scale) summed over the axis once."""
+    mesh = mesh_of((8,), ("seq",), AxisType.Explicit)
+    batch, seq_len, num_blocks, top_k = 1, 48, 150, 12
+    q, k, weights = support.make_inputs(module.VARIANT, (batch, 16, seq_len, 64, num_blocks), seed=3)
+    diff = dict(q=q, k=k, weights=weights, **support.key_scale(module.VARIANT, k))
+    rng = np.random.default_rng(3)
+    indices = jnp.asarray(rng.integers(-2, num_blocks + 2, (batch, seq_len, top_k)), jnp.int32)
+    cotangent = jax.random.normal(jax.random.PRNGKey(4), (batch, seq_len, top_k)).astype(
+        module.VARIANT["out_dtype"]
+    )
+    specs = dict(q=P(None, "seq"), k=P(), weights=P(None, "seq"), k_scale=P(), indices=P(None, "seq"))
+    specs = {name: spec for name, spec in specs.items() if name in diff or name == "indices"}
+    placed = lambda tree: {n: jax.device_put(x, NamedSharding(mesh, specs[n])) for n, x in tree.items()}
+
+    def sharded(**arrays):
+        return jax.shard_map(
+            lambda arrays: module.sparse_score(**arrays, interpret=True),
+            mesh=mesh,
+            in_specs=(specs,),
+            out_specs=P(None, "seq"),
+        )(arrays)
+
+    single = functools.partial(module.sparse_score, interpret=True)
+    out, grads, _ = compiled_vjp(sharded, placed(diff), placed(dict(indices=indices)), cotangent)
+    expected_out, expected_grads, _ = compiled_vjp(single, diff, dict(indices=indices), cotangent)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(expected_out, np.float32))
+    assert grads["k"].sharding.spec in (P(), P(None, None, None))
+    for arg in diff:
+        assert grads[arg].dtype == expected_grads[arg].dtype, f"d{arg}: {grads[arg].dtype}"
+        support.assert_close(
+            f"sparse d{arg} vs single device", grads[arg], jnp.asarray(expected_grads[arg], jnp.float32)
+        )
+
+
 # ------------------------------------------------------------------------------------------------
 # sharded_score, mode by mode.
 # ------------------------------------------------------------------------------------------------

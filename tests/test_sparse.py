@@ -1,0 +1,398 @@
+"""Sparse selection: ``topk_indices``, every variant's ``sparse_score`` (forward and gradients against the
+dense reference gathered at the indices), ``indexer_loss`` (dense and sparse, against a direct float32
+computation), the TPU lowering of all of it, and the MXU work the sparse gradient executes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from codegen import reference
+from generated.csa_v4 import VARIANTS, topk_indices
+from tests import support
+from tests.spec_cases import ROOT
+
+# Ragged everywhere: S and W off every tile, top_k off the gathered rows' sublane tiling.
+SHAPE = (2, 16, 11, 32, 40)  # B, H, S, D, W
+TOP_K = 7
+
+
+def _indices(batch, seq_len, num_blocks, top_k, seed=0):
+    """Random indices with every kind of slot: -1, below 0, at or past W, duplicates, a row with no
+    valid index at all, and a row holding one block top_k times."""
+    rng = np.random.default_rng(seed)
+    indices = rng.integers(-3, num_blocks + 3, (batch, seq_len, top_k))
+    indices[0, 0, :] = -1  # no block: an all -inf row, no gradient
+    indices[0, 1, 2:] = -1  # the tail empty, as topk_indices leaves a row with few visible blocks
+    indices[-1, 2, 1] = indices[-1, 2, 0] = 5  # a duplicate
+    indices[-1, 3, :] = num_blocks - 1  # one block, top_k times
+    return jnp.asarray(indices, jnp.int32)
+
+
+def _scatter(values, indices, num_blocks):
+    """``[B, S, top_k]`` values added into ``[B, S, W]`` at the valid indices (duplicates add up)."""
+    valid = (indices >= 0) & (indices < num_blocks)
+    batch, seq_len, _ = indices.shape
+    out = jnp.zeros((batch, seq_len, num_blocks), jnp.float32)
+    b, s = jnp.arange(batch)[:, None, None], jnp.arange(seq_len)[None, :, None]
+    return out.at[b, s, jnp.where(valid, indices, 0)].add(jnp.where(valid, values.astype(jnp.float32), 0.0))
+
+
+def _gathered(dense, indices):
+    num_blocks = dense.shape[-1]
+    valid = (indices >= 0) & (indices < num_blocks)
+    return jnp.where(
+        valid, jnp.take_along_axis(dense, jnp.clip(indices, 0, num_blocks - 1), axis=2), -jnp.inf
+    )
+
+
+def test_sparse_score_and_its_gradients_match_the_reference_gathered(module):
+    variant = module.VARIANT
+    batch, heads, seq_len, head_dim, num_blocks = SHAPE
+    q, k, weights = support.make_inputs(variant, SHAPE, seed=1)
+    scale = support.key_scale(variant, k)
+    indices = _indices(batch, seq_len, num_blocks, TOP_K)
+    args = (q, k, weights, *scale.values())
+
+    def sparse(q, k, weights, *k_scale):
+        extra = {"k_scale": k_scale[0]} if k_scale else {}
+        return module.sparse_score(q, k, weights, indices, interpret=True, **extra)
+
+    out, vjp = jax.vjp(sparse, *args)
+    assert out.dtype == jnp.dtype(variant["out_dtype"]) and out.shape == (batch, seq_len, TOP_K)
+    support.assert_close(
+        "sparse_score", out, _gathered(support.reference_score(variant, q, k, weights), indices)
+    )
+
+    # A cotangent with NaN at the empty slots: they must get no gradient, whatever g holds there.
+    valid = (indices >= 0) & (indices < num_blocks)
+    g = jax.random.normal(jax.random.PRNGKey(2), out.shape, jnp.float32)
+    grads = vjp(jnp.where(valid, g, jnp.nan).astype(out.dtype))
+
+    def dense(q, k, weights, *k_scale):
+        extra = {"k_scale": k_scale[0]} if k_scale else {}
+        return reference.score(q, k, weights, q_layout=variant["q_layout"], **extra)
+
+    upcast = [jnp.asarray(x, jnp.float32) for x in args]
+    g_dense = _scatter(g.astype(out.dtype), indices, num_blocks)  # the cotangent the kernel received
+    expected = jax.vjp(dense, *upcast)[1](g_dense)
+    names = ("dq", "dk", "dweights", "dk_scale")
+    dtypes = (variant["qk_grad_dtype"], variant["qk_grad_dtype"], variant["weights_dtype"], "float32")
+    for name, dtype, actual, wanted in zip(names, dtypes, grads, expected):
+        assert actual.dtype == jnp.dtype(dtype), f"{name}: {actual.dtype}"
+        support.assert_close(name, actual, wanted)
+
+
+def test_sparse_kernels_under_the_tpu_interpreter():
+    """Uninitialised VMEM and outputs read as NaN, races and out-of-bounds reads reported: every
+    slot's gathered row, every output column and the dk accumulator must be written before read."""
+    module = VARIANTS["tpu_sm_bf16_q16_w128_hc16"]
+    variant = module.VARIANT
+    q, k, weights = support.make_inputs(variant, (1, 16, 9, 32, 20), seed=3)
+    indices = _indices(1, 9, 20, 5, seed=4)
+    sparse = lambda q, k, weights: module.sparse_score(
+        q, k, weights, indices, interpret=support.tpu_interpret_params()
+    ).astype(jnp.float32)
+    out, vjp = jax.vjp(sparse, q, k, weights)
+    grads = vjp(jnp.where(jnp.isfinite(out), 1.0, 0.0))
+    assert not support.races_found()
+    expected = _gathered(support.reference_score(variant, q, k, weights), indices)
+    support.assert_close("sparse_score", out.astype(variant["out_dtype"]), expected)
+    for grad in grads:
+        assert np.isfinite(np.asarray(grad, np.float32)).all()
+
+
+def _lowered_loss(module, shape, top_k):
+    variant = module.VARIANT
+    batch, _, seq_len, _, num_blocks = shape
+    q, k, weights = support.make_inputs(variant, shape, seed=0)
+    scale = support.key_scale(variant, k)
+    indices = _indices(batch, seq_len, num_blocks, top_k)
+    target = jnp.ones((batch, seq_len, top_k), jnp.float32)
+    dense_target = jnp.ones((batch, seq_len, num_blocks), jnp.float32)
+    kv_start, kv_end = support.mask_batch(seq_len, num_blocks, seed=0)
+    kv_start, kv_end = kv_start[:batch], kv_end[:batch]
+
+    def losses(q, k, weights):
+        sparse = module.indexer_loss(
+            q, k, weights, target, indices=indices, kv_start=kv_start, kv_end=kv_end, **scale
+        )
+        dense = module.indexer_loss(q, k, weights, dense_target, kv_start=kv_start, kv_end=kv_end, **scale)
+        return sparse + dense
+
+    return support.lower_for_tpu(jax.value_and_grad(losses, argnums=(0, 1, 2)), q, k, weights)
+
+
+def test_sparse_score_and_indexer_loss_lower_for_tpu(module):
+    """The sparse kernels (forward and backward, inside the gradient of both losses) pass Mosaic's TPU
+    lowering at a realistic top_k. Lowering on a CPU; nothing here has run on a TPU."""
+    text = _lowered_loss(module, (1, 16, 16, 128, 300), 128)
+    name = module.VARIANT["name"]
+    for kernel in ("sparse_forward", "sparse_backward", "forward", "dq_dweights", "dk"):
+        if kernel in ("dq_dweights", "dk") and module.VARIANT["backward"] == "reference":
+            continue
+        assert f"{name}_{kernel}" in text, kernel
+
+
+def test_sparse_score_checks_indices_and_the_vmem_limit():
+    module = VARIANTS["tpu_sm_bf16_q128_w1024_hc16"]
+    q, k, weights = support.make_inputs(module.VARIANT, (1, 16, 8, 128, 64), seed=0)
+    with pytest.raises(ValueError, match="indices must be an integer array"):
+        module.sparse_score(q, k, weights, jnp.zeros((1, 8, 4), jnp.float32))
+    with pytest.raises(ValueError, match=r"indices must be \[B=1, S=8, top_k>=1\]"):
+        module.sparse_score(q, k, weights, jnp.zeros((1, 7, 4), jnp.int32))
+    # W = 65536 keys of 128 bfloat16 lanes and their float32 dk do not fit 64 MiB: refused before tracing.
+    big_k = jax.ShapeDtypeStruct((1, 65536, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"W=65536 .* it supports W <= \d+"):
+        jax.eval_shape(
+            lambda q, k, w: module.sparse_score(q, k, w, jnp.zeros((1, 8, 512), jnp.int32)), q, big_k, weights
+        )
+    # The production long-context shape of the benchmark fits: W = 16384, top_k = 1024.
+    mid_k = jax.ShapeDtypeStruct((1, 16384, 128), jnp.bfloat16)
+    jax.eval_shape(
+        lambda q, k, w: module.sparse_score(q, k, w, jnp.zeros((1, 8, 1024), jnp.int32)), q, mid_k, weights
+    )
+
+
+def _numpy_topk(scores, top_k):
+    """A stable sort on descending score (lower block first among equals), -1 past the finite ones."""
+    scores = np.asarray(scores, np.float64)
+    out = np.full(scores.shape[:2] + (top_k,), -1, np.int64)
+    for b, s in np.ndindex(*scores.shape[:2]):
+        row = scores[b, s]
+        finite = np.flatnonzero(np.isfinite(row))
+        order = finite[np.argsort(-row[finite], kind="stable")][:top_k]
+        out[b, s, : len(order)] = order
+    return out
+
+
+@pytest.mark.parametrize("top_k", [1, 5, 12, 40])
+def test_topk_indices_is_a_stable_sort(top_k):
+    rng = np.random.default_rng(top_k)
+    scores = rng.integers(0, 6, (2, 9, 30)).astype(np.float32)  # many ties
+    scores[rng.random(scores.shape) < 0.3] = -np.inf
+    scores[0, 0] = -np.inf  # nothing visible
+    scores[0, 1, 3] = np.nan  # not a visible block either
+    scores[1, 1, 7] = np.inf
+    got = topk_indices(jnp.asarray(scores), top_k)
+    assert got.dtype == jnp.int32 and got.shape == (2, 9, top_k)
+    np.testing.assert_array_equal(np.asarray(got), _numpy_topk(scores, top_k))
+    np.testing.assert_array_equal(np.asarray(topk_indices(jnp.asarray(scores), top_k)), np.asarray(got))
+    approx = np.asarray(topk_indices(jnp.asarray(scores, jnp.bfloat16), top_k, method="approx"))
+    # Exact on a CPU; on any backend the same slots are filled, each row's scores non-increasing.
+    np.testing.assert_array_equal(approx >= 0, _numpy_topk(scores, top_k) >= 0)
+    for b, s in np.ndindex(2, 9):
+        picked = approx[b, s][approx[b, s] >= 0]
+        assert np.all(np.diff(scores[b, s, picked]) <= 0) and len(set(picked)) == len(picked)
+
+
+def test_topk_indices_rejects_bad_arguments():
+    scores = jnp.zeros((1, 2, 3))
+    assert topk_indices(scores, np.int64(2)).shape == (1, 2, 2)  # a NumPy integer is a static top_k too
+    for bad, match in (
+        ((scores, 0), "top_k"),
+        ((scores, 1.5), "top_k"),
+        ((scores[0], 2), r"\[B, S, W\]"),
+        ((scores, 2, "fast"), "method"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            topk_indices(*bad[:2], method=bad[2] if len(bad) > 2 else "exact")
+
+
+def _direct_loss(logits, target, in_set):
+    """The loss written out in float64 numpy, row by row."""
+    logits, target, in_set = (np.asarray(x, np.float64) for x in (logits, target, in_set))
+    total, rows = 0.0, 0
+    for b, s in np.ndindex(*logits.shape[:2]):
+        keep = in_set[b, s] > 0
+        mass = target[b, s][keep].sum()
+        rows += bool(keep.any())  # averaged over the rows with a non-empty set
+        if not keep.any() or mass <= 0:  # a row with no target mass on its set adds 0
+            continue
+        p = target[b, s][keep] / mass
+        x = logits[b, s][keep]
+        log_q = x - x.max() - np.log(np.exp(x - x.max()).sum())
+        total += np.sum(np.where(p > 0, p * (np.log(np.where(p > 0, p, 1.0)) - log_q), 0.0))
+    return total / max(rows, 1)
+
+
+@pytest.mark.parametrize(
+    "name", ["tpu_hm_f32_q16_w128_hcall", "tpu_sm_bf16_q128_w1024_hc16", "tpu_sm_fp8_q128_w1024_hc16"]
+)
+def test_indexer_loss_matches_a_direct_computation(name):
+    module = VARIANTS[name]
+    variant = module.VARIANT
+    batch, heads, seq_len, head_dim, num_blocks = SHAPE
+    q, k, weights = support.make_inputs(variant, SHAPE, seed=5)
+    scale = support.key_scale(variant, k)
+    rng = np.random.default_rng(6)
+    indices = _indices(batch, seq_len, num_blocks, TOP_K, seed=6)
+    kv_start, kv_end = support.mask_batch(seq_len, num_blocks, seed=6)
+    kv_start, kv_end = kv_start[:batch], kv_end[:batch]
+    target = jnp.asarray(rng.random((batch, seq_len, TOP_K)), jnp.float32)
+    target = target.at[1, 4].set(0.0)  # no mass: the row adds 0 (and is averaged over)
+    dense_target = jnp.asarray(rng.random((batch, seq_len, num_blocks)), jnp.float32)
+
+    kwargs = dict(interpret=True, **scale)
+    sparse_loss = lambda q, k, w: module.indexer_loss(
+        q, k, w, target, indices=indices, kv_start=kv_start, kv_end=kv_end, **kwargs
+    )
+    dense_loss = lambda q, k, w: module.indexer_loss(
+        q, k, w, dense_target, kv_start=kv_start, kv_end=kv_end, **kwargs
+    )
+    sparse_value, sparse_grads = jax.value_and_grad(sparse_loss, argnums=(0, 1, 2))(q, k, weights)
+    dense_value, dense_grads = jax.value_and_grad(dense_loss, argnums=(0, 1, 2))(q, k, weights)
+
+    full = support.reference_score(variant, q, k, weights)  # float32, unmasked
+    in_set = (
+        (indices >= 0)
+        & (indices < num_blocks)
+        & (indices >= kv_start[..., None])
+        & (indices < kv_end[..., None])
+    )
+    sparse_logits = jnp.take_along_axis(full, jnp.clip(indices, 0, num_blocks - 1), axis=2)
+    visible = reference.visible(kv_start, kv_end, num_blocks)
+    # The kernels' score is rounded to the output dtype before the float32 log-softmax.
+    rounded = lambda x: np.asarray(jnp.asarray(x).astype(variant["out_dtype"]).astype(jnp.float32))
+    tolerance = 1e-5 if variant["out_dtype"] == "float32" else 1e-3
+    np.testing.assert_allclose(
+        float(sparse_value), _direct_loss(rounded(sparse_logits), target, in_set), rtol=tolerance, atol=1e-6
+    )
+    np.testing.assert_allclose(
+        float(dense_value), _direct_loss(rounded(full), dense_target, visible), rtol=tolerance
+    )
+    for grad in (*sparse_grads, *dense_grads):
+        assert np.isfinite(np.asarray(grad, np.float32)).all()
+
+    # The sparse loss's gradient is the reference's through a float32 loss on the gathered scores.
+    def reference_loss(q, k, w):
+        scores = reference.score(q, k, w, q_layout=variant["q_layout"], **scale)
+        picked = jnp.take_along_axis(scores, jnp.clip(indices, 0, num_blocks - 1), axis=2)
+        from generated.csa_v4 import _runtime
+
+        return _runtime.kl_over_sets(picked, target, in_set)
+
+    def dense_reference_loss(q, k, w):
+        scores = reference.score(
+            q, k, w, q_layout=variant["q_layout"], kv_start=kv_start, kv_end=kv_end, **scale
+        )
+        from generated.csa_v4 import _runtime
+
+        return _runtime.kl_over_sets(scores, dense_target, visible)
+
+    upcast = [jnp.asarray(x, jnp.float32) for x in (q, k, weights)]
+    expected = jax.grad(reference_loss, argnums=(0, 1, 2))(*upcast)
+    dense_expected = jax.grad(dense_reference_loss, argnums=(0, 1, 2))(*upcast)
+    names = ("sparse dq", "sparse dk", "sparse dweights", "dense dq", "dense dk", "dense dweights")
+    for name_, actual, wanted in zip(names, (*sparse_grads, *dense_grads), (*expected, *dense_expected)):
+        # float32 throughout: summation order only. A bfloat16 score (rounded before the softmax) or
+        # gradient (rounded after) moves it by up to ~2**-8 relative: 2e-2 still catches a wrong term.
+        exact = variant["out_dtype"] == "float32" and actual.dtype == jnp.float32
+        error = support.relative_error(actual, wanted)
+        assert error <= (1e-4 if exact else 2e-2), f"{name_}: {error:.2e}"
+
+
+def test_indexer_loss_of_nothing_is_zero_not_nan():
+    module = VARIANTS["tpu_sm_f32_q16_w128_hcall"]
+    batch, heads, seq_len, head_dim, num_blocks = SHAPE
+    q, k, weights = support.make_inputs(module.VARIANT, SHAPE, seed=7)
+    empty = jnp.full((batch, seq_len, TOP_K), -1, jnp.int32)
+    target = jnp.ones((batch, seq_len, TOP_K), jnp.float32)
+    nothing_visible = jnp.zeros((batch, seq_len), jnp.int32)
+    cases = {
+        "no index": lambda q, k, w: module.indexer_loss(q, k, w, target, indices=empty, interpret=True),
+        "no target mass": lambda q, k, w: module.indexer_loss(
+            q, k, w, 0.0 * target, indices=_indices(batch, seq_len, num_blocks, TOP_K), interpret=True
+        ),
+        "nothing visible": lambda q, k, w: module.indexer_loss(
+            q,
+            k,
+            w,
+            jnp.ones((batch, seq_len, num_blocks)),
+            kv_start=nothing_visible,
+            kv_end=nothing_visible,
+            interpret=True,
+        ),
+    }
+    for case, loss in cases.items():
+        value, grads = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, weights)
+        assert float(value) == 0.0, case
+        for grad in grads:
+            assert not np.asarray(grad, np.float32).any(), case
+
+
+# (variant, B,H,S,D,W, top_k): top_k/W = 1/4 and 1/16 at the production tiling.
+WORK_CASES = [
+    ("tpu_sm_bf16_q128_w1024_hc16", (1, 16, 64, 64, 512), 128, 0.35),
+    ("tpu_sm_bf16_q128_w1024_hc16", (1, 16, 64, 64, 512), 32, 0.1),
+]
+
+_MEASURE = """
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from tests import mxu_counter, support
+from generated.csa_v4 import VARIANTS
+out = []
+for name, shape, top_k in json.loads(sys.argv[1]):
+    module = VARIANTS[name]
+    q, k, w = support.make_inputs(module.VARIANT, tuple(shape), seed=0)
+    scale = support.key_scale(module.VARIANT, k)
+    indices = jnp.asarray(np.random.default_rng(0).integers(0, shape[4], (shape[0], shape[2], top_k)), jnp.int32)
+    dense = lambda q, k, w: jnp.sum(support.call(module, q, k, w, interpret=True).astype(jnp.float32))
+    sparse = lambda q, k, w: jnp.sum(module.sparse_score(q, k, w, indices, interpret=True, **scale).astype(jnp.float32))
+    with mxu_counter.installed():
+        flops = [mxu_counter.executed_flops(lambda: jax.grad(f, argnums=(0, 1, 2))(q, k, w)) for f in (dense, sparse)]
+    out.append(flops)
+print(json.dumps(out))
+"""
+
+
+def test_sparse_gradient_executes_mxu_work_in_proportion_to_top_k():
+    """The MXU work the gradient through sparse_score executes (each dot counted as it runs, in a fresh
+    process) against the gradient of the dense score, unmasked: about 6/7 * top_k / W for bfloat16 (0.217
+    at 1/4, 0.054 at 1/16)."""
+    cases = [(name, shape, top_k) for name, shape, top_k, _ in WORK_CASES]
+    env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0")
+    result = subprocess.run(
+        [sys.executable, "-c", _MEASURE, json.dumps(cases)], capture_output=True, text=True, cwd=ROOT, env=env,
+        timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    for (name, shape, top_k, bound), (dense, sparse) in zip(
+        WORK_CASES, json.loads(result.stdout.splitlines()[-1])
+    ):
+        ratio = sparse / dense
+        assert (
+            ratio <= bound
+        ), f"{name} top_k={top_k}/W={shape[4]}: sparse/dense MXU work {ratio:.3f} > {bound}"
+        # Exactly the work model: per query 6 passes of [top_k, H, D] and 3 [top_k, H] head sums and
+        # outer products, against the dense 7 passes of [W, H, D].
+        head_dim = shape[3]
+        assert sparse * 7 * shape[4] * head_dim == dense * top_k * (6 * head_dim + 3), (sparse, dense)
+
+
+def test_sparse_score_is_deterministic():
+    """The forward and every gradient, run twice, are equal bit for bit (the dk rows are added in slot
+    order, duplicates included), and topk_indices of equal scores is the same selection."""
+    module = VARIANTS["tpu_sm_fp8_q128_w1024_hc16"]
+    q, k, weights = support.make_inputs(module.VARIANT, (1, 16, 9, 32, 20), seed=9)
+    k_scale = support.key_scale(module.VARIANT, k)["k_scale"]
+    indices = _indices(1, 9, 20, 6, seed=10)
+    sparse = lambda q, k, weights, k_scale: module.sparse_score(
+        q, k, weights, indices, k_scale=k_scale, interpret=True
+    )
+    runs = []
+    for _ in range(2):
+        out, vjp = jax.vjp(sparse, q, k, weights, k_scale)
+        runs.append(
+            [np.asarray(a).view(np.uint8) for a in (out, *vjp(jnp.where(jnp.isfinite(out), 1.0, 0.0)))]
+        )
+    for first, second in zip(*runs):
+        assert np.array_equal(first, second)
