@@ -304,9 +304,8 @@ def _dk_kernel(
         @pl.when(block.work)
         def _accumulate():
             k = _k_block(k_ref, block.cols)
-            g_t = (
-                g_ref[:, block.cols].astype(_runtime.ACCUM_DTYPE).T
-            )  # [compute_w, block_q]: the one transpose
+            # The cotangent as [compute_w, block_q]: the kernel's one transpose, once per compute block.
+            g_t = g_ref[:, block.cols].astype(_runtime.ACCUM_DTYPE).T
             # Masked entries get no gradient, whatever the cotangent holds there.
             g_t = _runtime.mask_partial_t(block, g_t, kv_bounds_t_ref, 0.0)
             _dk_block(
