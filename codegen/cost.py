@@ -108,6 +108,14 @@ class BlockKinds:
         return self.empty + self.full + self.partial
 
 
+def unmasked_kinds(t: Tiling) -> BlockKinds:
+    """Every compute block doing unmasked work, every tile fetched: what a ``pl.CostEstimate`` assumes."""
+    tiles_ = t.shape.batch * (t.seq_pad // t.block_q) * (t.blocks_pad // t.block_w)
+    return BlockKinds(
+        empty=0, full=tiles_ * (t.block_w // t.compute_w), partial=0, tiles_with_work=tiles_, tiles=tiles_
+    )
+
+
 def block_kinds(t: Tiling, kv_start, kv_end) -> BlockKinds:
     """Classifies a call's compute blocks as its kernels do, from integer [B, S] visibility bounds."""
     p = t.shape
@@ -238,9 +246,7 @@ def kernel_cost(
     single: list[tuple[tuple[int, ...], int]] = [
         (t.dims(s.shape), tiles.itemsize(s.dtype)) for s in kernel.scratch + kernel.temporaries
     ]
-    pairs = p.batch * (t.seq_pad // t.block_q) * (t.blocks_pad // t.compute_w)
-    if kinds is None:
-        kinds = BlockKinds(empty=0, full=pairs, partial=0, tiles_with_work=1, tiles=1)
+    kinds = kinds or unmasked_kinds(t)
     pair_entries = t.block_q * t.compute_w  # (query, compressed block) entries of one pair
     entries = kinds.work * pair_entries * p.num_heads  # per head, in the compute blocks with work
     useful_entries = p.batch * p.num_heads * p.seq_len * p.num_blocks

@@ -40,9 +40,7 @@ def explain(
 ) -> list[Row]:
     t = cost.tiling(plan, shape)
     kinds = cost.causal_kinds(t, compress_rate) if causal else None
-    shown = kinds or cost.BlockKinds(
-        0, t.shape.batch * (t.seq_pad // t.block_q) * (t.blocks_pad // t.compute_w), 0, 1, 1
-    )
+    shown = kinds or cost.unmasked_kinds(t)
     rows = []
     for kernel in plan.kernels:
         k = cost.kernel_cost(plan, kernel, shape, kinds)
@@ -60,13 +58,7 @@ def explain(
                 mxu_flops=k.mxu_flops,
                 vpu_ops=k.vpu_ops,
                 mxu_vs_unmasked=k.mxu_flops / unmasked.mxu_flops,
-                compute_blocks=dict(
-                    empty=shown.empty,
-                    full=shown.full,
-                    partial=shown.partial,
-                    tiles_with_work=shown.tiles_with_work if kinds else None,
-                    tiles=shown.tiles if kinds else None,
-                ),
+                compute_blocks=dataclasses.asdict(shown),
                 intensity=k.intensity(),
                 roofline_us=k.roofline_seconds(chip) * 1e6,
                 bound=k.bound(chip),

@@ -28,9 +28,8 @@ class Variant:
     tiling: str
     block_q: int
     block_w: int
-    compute_w: (
-        int  # compressed blocks per compute step inside a block_w tile (not in the name: a tiling has one)
-    )
+    # Compressed blocks per compute step inside a block_w tile (not in the name: a tiling has one).
+    compute_w: int
     head_chunk: int
     backward: str
     origin: str  # spec path of the entry that asked for it, for error messages

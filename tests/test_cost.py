@@ -172,7 +172,7 @@ def test_fetches_match_a_walk_of_the_real_index_maps(name):
         kernel = the_plan.kernel(support.kernel_name(eqn, name))
         model = cost.kernel_cost(the_plan, kernel, shape)
         mapping = eqn.params["grid_mapping"]
-        prefetch = [getattr(x, n) for n in kernel.scalar_prefetch]
+        prefetch = [getattr(x.ranges, n) for n in kernel.scalar_prefetch]
         assert tuple(mapping.grid) == model.grid, kernel.name
         for block, bm in zip(kernel.blocks, mapping.block_mappings):
             # The index map reads the scalar-prefetch refs: discharged, it takes and returns arrays.

@@ -210,11 +210,6 @@ class Operands(NamedTuple):
     kv_bounds_t: jax.Array | None = None  # [B, S_pad // block_q, 2, block_q] int32
     k_scale_t: jax.Array | None = None  # [B, W_pad, 1] float32: a column of per-key scales per w tile
 
-    def __getattr__(self, name):  # the scalar-prefetch arrays by name, as the kernel plan names them
-        if name in TileRanges._fields:
-            return getattr(self.ranges, name)
-        raise AttributeError(name)
-
     @property
     def num_q_blocks(self):
         return self.seq_pad // self.block_q
@@ -379,7 +374,7 @@ def kernel_call(kernel, x, *, grid_axes, semantics, skip, scalar_prefetch, input
         ),
         interpret=interpret,
         name=name,
-    )(*(getattr(x, n) for n in scalar_prefetch), *inputs.values())
+    )(*(getattr(x.ranges, n) for n in scalar_prefetch), *inputs.values())
 
 
 # Pieces of kernel bodies.
@@ -421,28 +416,19 @@ def q_block_row(b, i, grid_axes):
     return b * pl.num_programs(grid_axes.index("i")) + i
 
 
-def mask_partial(block, x, kv_bounds_ref, fill):
+def mask_partial(block, x, kv_bounds_ref, fill, transposed=False):
     """``x`` [block_q, compute_w] where query row r may see compressed block ``block.lo + col``, ``fill``
-    elsewhere. The mask is built only in a partial block; in a full one ``x`` passes through."""
+    elsewhere; ``transposed``: the same for ``x`` [compute_w, block_q] (compressed block, query) and
+    the bounds laid out along q, ``kv_bounds_ref`` [2, block_q] rather than [block_q, 2]. The mask is
+    built only in a partial block; in a full one ``x`` passes through."""
 
     def masked(x):
-        bounds = kv_bounds_ref[...]  # [block_q, 2]: kv_start, kv_end
-        cols = block.lo + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
-        return jnp.where((bounds[:, 0:1] <= cols) & (cols < bounds[:, 1:2]), x, fill)
+        bounds = kv_bounds_ref[...]  # kv_start, kv_end of each query
+        start, end = (bounds[0:1, :], bounds[1:2, :]) if transposed else (bounds[:, 0:1], bounds[:, 1:2])
+        blocks = block.lo + jax.lax.broadcasted_iota(jnp.int32, x.shape, 0 if transposed else 1)
+        return jnp.where((start <= blocks) & (blocks < end), x, fill)
 
     return jax.lax.cond(block.partial, masked, lambda x: x, x)
-
-
-def mask_partial_t(block, x_t, kv_bounds_t_ref, fill):
-    """``mask_partial`` of a transposed tile ``x_t`` [compute_w, block_q] (compressed block, query), by the
-    bounds laid out along q: ``kv_bounds_t_ref`` [2, block_q]."""
-
-    def masked(x_t):
-        bounds = kv_bounds_t_ref[...]  # [2, block_q]: kv_start, kv_end
-        rows = block.lo + jax.lax.broadcasted_iota(jnp.int32, x_t.shape, 0)
-        return jnp.where((bounds[0:1, :] <= rows) & (rows < bounds[1:2, :]), x_t, fill)
-
-    return jax.lax.cond(block.partial, masked, lambda x_t: x_t, x_t)
 
 
 def accumulate(acc_ref, cols, value, first):
@@ -476,8 +462,9 @@ def matmul(lhs, rhs, precision):
     )
 
 
-def split_matmul(lhs, rhs):
-    """float32 lhs [m, n] . rhs [n, p] of a narrower MXU type, accurate to float32.
+def split_matmul(lhs, rhs, dimension_numbers=CONTRACT_INNER):
+    """float32 lhs of a narrower MXU type's rhs, contracted as ``dimension_numbers`` say (an ordinary
+    lhs [m, n] . rhs [n, p] by default), accurate to float32.
 
     Rounding the float32 lhs to rhs's type would cost up to 2**-8 relative per element (bfloat16);
     splitting it into a head and a tail of that type keeps ~16 bits for the price of a second MXU
@@ -486,8 +473,8 @@ def split_matmul(lhs, rhs):
     head = lhs.astype(rhs.dtype)
     tail = (lhs - head.astype(lhs.dtype)).astype(rhs.dtype)
     return jax.lax.dot_general(
-        head, rhs, CONTRACT_INNER, preferred_element_type=ACCUM_DTYPE
-    ) + jax.lax.dot_general(tail, rhs, CONTRACT_INNER, preferred_element_type=ACCUM_DTYPE)
+        head, rhs, dimension_numbers, preferred_element_type=ACCUM_DTYPE
+    ) + jax.lax.dot_general(tail, rhs, dimension_numbers, preferred_element_type=ACCUM_DTYPE)
 
 
 # Cost estimates, so XLA can schedule around each pallas_call.
@@ -1220,11 +1207,7 @@ def sparse_matmul(lhs, rhs, dimension_numbers, precision):
         return jax.lax.dot_general(
             lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=ACCUM_DTYPE
         )
-    head = lhs.astype(rhs.dtype)
-    tail = (lhs - head.astype(lhs.dtype)).astype(rhs.dtype)
-    return jax.lax.dot_general(
-        head, rhs, dimension_numbers, preferred_element_type=ACCUM_DTYPE
-    ) + jax.lax.dot_general(tail, rhs, dimension_numbers, preferred_element_type=ACCUM_DTYPE)
+    return split_matmul(lhs, rhs, dimension_numbers)
 
 
 def scatter_slots(values, rows, num_blocks):

@@ -320,7 +320,7 @@ def _dk_kernel(
             # The cotangent as [compute_w, block_q]: the kernel's one transpose, once per compute block.
             g_t = g_ref[:, block.cols].astype(_runtime.ACCUM_DTYPE).T
             # Masked entries get no gradient, whatever the cotangent holds there.
-            g_t = _runtime.mask_partial_t(block, g_t, kv_bounds_t_ref, 0.0)
+            g_t = _runtime.mask_partial(block, g_t, kv_bounds_t_ref, 0.0, transposed=True)
             _dk_block(
                 q_ref,
                 k,
