@@ -854,7 +854,7 @@ SPARSE_BLOCK_Q = 8  # queries per grid step of the sparse kernels (their grid is
 SPARSE_VMEM_CAPACITY_BYTES = 67108864  # v5e, v5p, v6e, 7x
 SPARSE_SCOPED_VMEM_DEFAULT_BYTES = 16777216
 SPARSE_VMEM_HEADROOM = 1.25  # for Mosaic's own scratch, as codegen's budget of the dense kernels
-SPARSE_GATHER_CHUNK = 8  # rows gathered per store into the scratch; top_k_pad is a multiple of it
+SPARSE_GATHER_CHUNK = 8  # rows gathered per store into the scratch, at least (see sparse_gather_chunk)
 
 
 def topk_indices(scores, top_k, *, method="exact"):
@@ -915,23 +915,48 @@ def check_indices(indices, batch, seq_len):
     return jnp.asarray(indices, jnp.int32)
 
 
+def sparse_gather_chunk(gather_dtype):
+    """Slots ``gather_rows`` stores at once: SPARSE_GATHER_CHUNK, or the sublane tile of the gathered rows'
+    dtype where that is more rows (16 of bfloat16: a store at a multiple of 8 rows only is not provably
+    aligned in a packed array)."""
+    return max(SPARSE_GATHER_CHUNK, 8 * 4 // jnp.dtype(gather_dtype).itemsize)
+
+
+def sparse_gather_group(k_dtype):
+    """Rows of k a gathered row is read with: 1 for 32-bit k, whose single-row reads at a dynamic row
+    Mosaic accepts; else the dtype's native sublane tile (8 rows of 32 bits: 16 bfloat16, 32 float8),
+    read whole at a tile-aligned start, as Mosaic must prove a read's row offset into a packed array a
+    multiple of its tile (a single bfloat16 row at a dynamic row fails: E2003, unproven alignment)."""
+    itemsize = jnp.dtype(k_dtype).itemsize
+    return 1 if itemsize == 4 else 8 * 4 // itemsize
+
+
+def sparse_k_rows(num_blocks, k_dtype):
+    """Rows of the resident k block (and of the dk block): W rounded up to whole gather groups, so that
+    a group read never leaves the block; past W the rows are the pipeline's padding, never selected."""
+    return round_up(num_blocks, sparse_gather_group(k_dtype))
+
+
 def sparse_top_k_pad(top_k, gather_dtype):
-    """top_k rounded up to the sublane tiling of the gathered rows' dtype (8 rows of 32-bit, 16 of 16-bit),
-    a multiple of SPARSE_GATHER_CHUNK."""
-    return round_up(top_k, max(SPARSE_GATHER_CHUNK, 8 * 4 // jnp.dtype(gather_dtype).itemsize))
+    """top_k rounded up to whole gather chunks, the sublane tiling of the gathered rows' dtype (8 rows of
+    32-bit, 16 of 16-bit)."""
+    return round_up(top_k, sparse_gather_chunk(gather_dtype))
 
 
 def sparse_vmem_bytes(num_blocks, head_dim, num_heads, top_k_pad, k_dtype, gather_dtype, q_dtype):
     """VMEM the sparse backward kernel (the larger of the two) holds: k for one batch element and its
     float32 dk accumulator resident (both double-buffered by the pipeline), the gathered rows and
-    their float32 dk, the query blocks, and the in-flight [top_k, H] float32 tiles."""
+    their float32 dk, the float32 staging of 16- and 8-bit k's row groups, the query blocks, and the
+    in-flight [top_k, H] float32 tiles."""
     lanes = lambda n: round_up(n, LANES)
     resident = 2 * num_blocks * lanes(head_dim) * (jnp.dtype(k_dtype).itemsize + 4)
     gathered = top_k_pad * lanes(head_dim) * (jnp.dtype(gather_dtype).itemsize + 4)
+    group = sparse_gather_group(k_dtype)  # gather_staging: a float32 group per slot of a chunk, if > 1
+    staging = (sparse_gather_chunk(gather_dtype) * group if group > 1 else 0) * lanes(head_dim) * 4
     queries = 2 * SPARSE_BLOCK_Q * num_heads * lanes(head_dim) * (jnp.dtype(q_dtype).itemsize + 4)
     slots = 2 * 3 * SPARSE_BLOCK_Q * lanes(top_k_pad) * 4 + 2 * 2 * SPARSE_BLOCK_Q * lanes(num_heads) * 4
     tiles = 6 * top_k_pad * lanes(num_heads) * 4
-    return resident + gathered + queries + slots + tiles
+    return resident + gathered + staging + queries + slots + tiles
 
 
 def sparse_vmem_limit(num_blocks, head_dim, num_heads, top_k_pad, k_dtype, gather_dtype, q_dtype):
@@ -983,6 +1008,10 @@ class SparseOperands(NamedTuple):
     def num_q_blocks(self):
         return self.seq_pad // SPARSE_BLOCK_Q
 
+    @property
+    def k_rows(self):
+        return sparse_k_rows(self.num_blocks, self.k.dtype)
+
 
 def sparse_prepare(variant, q, k, weights, indices, k_scale, gather_dtype):
     """The ``SparseOperands`` of a checked call (see a variant's ``sparse_score``)."""
@@ -1020,33 +1049,58 @@ def sparse_block_specs(x):
     The indices of one q block come in SMEM through the pipeline (``SPARSE_BLOCK_Q * top_k_pad``
     words, double-buffered: 64 KiB at top_k = 1024; an SMEM-space BlockSpec, which lowers for TPU),
     never the whole [B, S, top_k] array as scalar prefetch, which does not fit SMEM's 1 MiB. k (and
-    the dk accumulator) are one block per batch element, fetched once per b; everything else is one
+    the dk accumulator) are one block per batch element, fetched once per b, of ``x.k_rows`` rows (W
+    rounded up to whole gather groups: past W, the pipeline pads the block); everything else is one
     q block's.
     """
     qb = SPARSE_BLOCK_Q
     return dict(
         rows=pl.BlockSpec((None, qb, x.top_k_pad), lambda b, i: (b, i, 0), memory_space=pltpu.SMEM),
         q=pl.BlockSpec((None, qb, x.num_heads, x.head_dim), lambda b, i: (b, i, 0, 0)),
-        k=pl.BlockSpec((None, x.num_blocks, x.head_dim), lambda b, i: (b, 0, 0)),
+        k=pl.BlockSpec((None, x.k_rows, x.head_dim), lambda b, i: (b, 0, 0)),
         weights=pl.BlockSpec((None, qb, x.num_heads), lambda b, i: (b, i, 0)),
         slots=pl.BlockSpec((None, qb, x.top_k_pad), lambda b, i: (b, i, 0)),
     )
 
 
-def gather_rows(rows_ref, k_ref, gathered_ref, s):
+def gather_staging(x, gather_dtype):
+    """The float32 VMEM staging scratch of ``gather_rows`` for 16- and 8-bit k (``SparseOperands`` x)
+    gathered in ``gather_dtype``: a group of rows per slot of a gather chunk, so the chunk's unrolled
+    rows do not serialise on one buffer. At D = 128: 64 KiB for bfloat16 k gathered as float32,
+    128 KiB gathered as bfloat16, 256 KiB for float8 k (gathered as bfloat16)."""
+    rows = sparse_gather_chunk(gather_dtype) * sparse_gather_group(x.k.dtype)
+    return pltpu.VMEM((rows, x.head_dim), jnp.float32)
+
+
+def gather_rows(rows_ref, k_ref, gathered_ref, s, staging_ref=None):
     """Row ``rows_ref[s, j]`` of the resident k block into row j of ``gathered_ref``, for every slot j.
 
-    One dynamic single-row VMEM read per slot (a vector gather does not lower for TPU), and one
-    aligned store per SPARSE_GATHER_CHUNK slots (their rows concatenated): fewer, full-tile stores
-    than a row at a time, and, interpreted, an eighth of the scratch copies XLA makes at each store.
-    For 16- and 8-bit k these are single rows of packed sublane tiles: Mosaic's TPU lowering accepts
-    them (checked on CPU by the tests), but they were not run on a TPU here.
+    One dynamic row read per slot (a vector gather does not lower for TPU), and one aligned store per
+    ``sparse_gather_chunk`` slots (their rows concatenated): fewer, full-tile stores than a row at a
+    time, and, interpreted, a chunk's share of the scratch copies XLA makes at each store.
+
+    float32 k (no ``staging_ref``): the row is read directly. 16- and 8-bit k: Mosaic must prove the row
+    offset of a read from a packed array a multiple of its sublane tile, which a single dynamic row is
+    not; so the row's tile-aligned group of ``sparse_gather_group`` rows is read (its start a provable
+    multiple of the group), upcast to float32 into the slot's group of ``staging_ref``
+    (``gather_staging``), and the row read back from there: a single float32 row, which Mosaic accepts
+    at any offset. The upcast is exact; k stays resident in its own dtype.
     """
-    chunk = SPARSE_GATHER_CHUNK
+    chunk = sparse_gather_chunk(gathered_ref.dtype)
+    group = sparse_gather_group(k_ref.dtype)
+    assert (staging_ref is None) == (group == 1), "a staging scratch exactly for 16- and 8-bit k"
+
+    def read_row(t, row):
+        if staging_ref is None:
+            return k_ref[pl.ds(row, 1), :]
+        start = pl.multiple_of(row & -group, group)  # row // group * group: row >= 0, group a power of 2
+        slot = t * group  # slot t's own group of the staging scratch
+        staging_ref[pl.ds(slot, group), :] = k_ref[pl.ds(start, group), :].astype(staging_ref.dtype)
+        return staging_ref[pl.ds(slot + (row & (group - 1)), 1), :]
 
     def body(c, carry):
         j = pl.multiple_of(c * chunk, chunk)
-        rows = [k_ref[pl.ds(rows_ref[s, j + t], 1), :] for t in range(chunk)]
+        rows = [read_row(t, rows_ref[s, j + t]) for t in range(chunk)]
         gathered_ref[pl.ds(j, chunk), :] = jnp.concatenate(rows, axis=0).astype(gathered_ref.dtype)
         return carry
 

@@ -595,9 +595,8 @@ def sparse_score(q, k, weights, indices, *, k_scale=None, softmax_scale=None, in
     float8) at H = 64, top_k = 1024: 128k-token context (W = 32768 at compress rate 4) is just past it
     for bfloat16, 1M context (W = 262144) far past.
     Beyond it, a ValueError naming W and the limit is raised before anything is traced.
-    Verified only by lowering (Mosaic's TPU lowering, run on a CPU by the tests), never run on a
-    TPU: the dynamic single-row reads and writes of float32 rows and the SMEM index blocks;
-    in interpret mode the kernels are checked against the reference.
+    Never run on a TPU: the tests run Mosaic's TPU lowering on a CPU and check the kernels against the
+    reference in interpret mode; libtpu's Mosaic compiles them ahead of time for v6e and 7x.
     """
     return _sparse_score(
         q, k, weights, indices, k_scale=k_scale, softmax_scale=softmax_scale, interpret=interpret

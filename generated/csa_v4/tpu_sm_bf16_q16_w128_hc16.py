@@ -419,6 +419,9 @@ def _backward(softmax_scale, interpret, out_dtype, residuals, g):
 # A query's slots are a lane-dense row of the [B, S_pad, top_k_pad] score and cotangent; the head sums
 # that turn [top_k, H] into such a row (and g into g wᵀ) are [1, H] x [H, top_k]-sized MXU products
 # at HIGHEST precision (1/D of a pass each), as a [top_k, 1] column would need a transpose.
+# k is bfloat16, packed 16 rows to a sublane tile: Mosaic cannot prove a single row at a dynamic
+# index aligned, so each gathered row is read with its whole aligned tile of rows, which is upcast to
+# float32 into a staging scratch the row is read back from (_runtime.gather_rows).
 # From the sparse kernel plan (codegen/plan.py, ``sparse``):
 # Gathered rows in bfloat16.
 SPARSE_GATHER_DTYPE = jnp.bfloat16
@@ -459,10 +462,12 @@ def _head_sum(weights, activated):
     )
 
 
-def _sparse_forward_kernel(rows_ref, q_ref, k_ref, weights_ref, out_ref, gathered_ref, *, softmax_scale):
+def _sparse_forward_kernel(
+    rows_ref, q_ref, k_ref, weights_ref, out_ref, gathered_ref, staging_ref, *, softmax_scale
+):
     """Scores of SPARSE_BLOCK_Q queries, a row each: softmax_scale * sum_h weights_h * relu(logits)."""
     for s in range(_runtime.SPARSE_BLOCK_Q):
-        _runtime.gather_rows(rows_ref, k_ref, gathered_ref, s)
+        _runtime.gather_rows(rows_ref, k_ref, gathered_ref, s, staging_ref)
         logits = _sparse_logits(
             gathered_ref[...], _sparse_query(q_ref, s, gathered_ref.dtype), MATMUL_PRECISION
         )
@@ -473,7 +478,7 @@ def _sparse_forward_kernel(rows_ref, q_ref, k_ref, weights_ref, out_ref, gathere
 def _sparse_backward_kernel(
     rows_ref, q_ref, k_ref, weights_ref, g_ref,  # inputs
     dq_ref, dweights_ref, dk_ref,  # outputs
-    gathered_ref, dk_gathered_ref,  # scratch
+    gathered_ref, dk_gathered_ref, staging_ref,  # scratch
     *, softmax_scale,
 ):  # fmt: skip
     """dq and dweights of SPARSE_BLOCK_Q queries; their dk rows added into the resident float32 dk
@@ -484,7 +489,7 @@ def _sparse_backward_kernel(
         dk_ref[...] = jnp.zeros_like(dk_ref)
 
     for s in range(_runtime.SPARSE_BLOCK_Q):
-        _runtime.gather_rows(rows_ref, k_ref, gathered_ref, s)
+        _runtime.gather_rows(rows_ref, k_ref, gathered_ref, s, staging_ref)
         gathered = gathered_ref[...]
         q_s = _sparse_query(q_ref, s, gathered.dtype)
         logits = _sparse_logits(gathered, q_s, SPARSE_BACKWARD_PRECISION)  # [top_k, H]
@@ -521,7 +526,10 @@ def _sparse_forward(q, k, weights, indices, k_scale, softmax_scale, interpret):
             "weights": ("weights", x.weights),
         },
         outputs={"out": ("slots", (_runtime.slots_shape(x), jnp.float32))},
-        scratch=[pltpu.VMEM((x.top_k_pad, x.head_dim), SPARSE_GATHER_DTYPE)],
+        scratch=[
+            pltpu.VMEM((x.top_k_pad, x.head_dim), SPARSE_GATHER_DTYPE),
+            _runtime.gather_staging(x, SPARSE_GATHER_DTYPE),
+        ],
         semantics=("parallel", "parallel"),
         work=_runtime.sparse_flops(x, SPARSE_WORK["forward"], SPARSE_ROW_DOTS["forward"]),
         name=f"{VARIANT['name']}_sparse_forward",
@@ -552,6 +560,7 @@ def _sparse_backward(softmax_scale, interpret, q, k, weights, indices, k_scale, 
         scratch=[
             pltpu.VMEM((x.top_k_pad, x.head_dim), SPARSE_BACKWARD_GATHER_DTYPE),
             pltpu.VMEM((x.top_k_pad, x.head_dim), jnp.float32),
+            _runtime.gather_staging(x, SPARSE_BACKWARD_GATHER_DTYPE),
         ],
         semantics=("parallel", "arbitrary"),
         work=_runtime.sparse_flops(x, SPARSE_WORK["backward"], SPARSE_ROW_DOTS["backward"]),
@@ -586,6 +595,8 @@ def sparse_score(q, k, weights, indices, *, k_scale=None, softmax_scale=None, in
     k into scratch (one dynamic row read each), all heads contracted in one [top_k, D] x [D, H]
     matmul; the backward adds each slot's dk row into a float32 dk resident in VMEM (one dynamic
     row += each) and writes dq and dweights per query. Indices come in per q block through SMEM.
+    A bfloat16 row is read with its aligned 16-row tile, upcast into a float32 staging
+    scratch and taken from there (see _runtime.gather_rows): Mosaic cannot prove one packed row aligned.
     MXU work per kernel: SPARSE_WORK passes of B * S * top_k * H * D multiply-adds.
     Works inside ``jax.shard_map`` on per-device shards, as ``score`` does (queries and their indices
     split over an axis, k replicated: dk is summed over it once, in float32).
@@ -596,9 +607,8 @@ def sparse_score(q, k, weights, indices, *, k_scale=None, softmax_scale=None, in
     float8) at H = 64, top_k = 1024: 128k-token context (W = 32768 at compress rate 4) is just past it
     for bfloat16, 1M context (W = 262144) far past.
     Beyond it, a ValueError naming W and the limit is raised before anything is traced.
-    Verified only by lowering (Mosaic's TPU lowering, run on a CPU by the tests), never run on a
-    TPU: the dynamic single-row reads and writes of bfloat16 rows and the SMEM index blocks;
-    in interpret mode the kernels are checked against the reference.
+    Never run on a TPU: the tests run Mosaic's TPU lowering on a CPU and check the kernels against the
+    reference in interpret mode; libtpu's Mosaic compiles them ahead of time for v6e and 7x.
     """
     return _sparse_score(
         q, k, weights, indices, k_scale=k_scale, softmax_scale=softmax_scale, interpret=interpret
