@@ -1,4 +1,4 @@
-"""The ``codegen`` command: render, check, list and diff the kernels a spec describes.
+"""The ``codegen`` command: render, check, list, diff, explain and compile the kernels a spec describes.
 
 Exit codes: 0 done (or up to date, or no difference), 1 out of date / differences found,
 2 a bad spec, a bad argument or a variant that does not exist.
@@ -10,10 +10,14 @@ import argparse
 import dataclasses
 import difflib
 import json
+import os
 import pathlib
 import sys
 
-from codegen import chips, explain, output, pipeline, plan, render
+# The generator computes on the host; the TPU compiler, where used, runs in processes of its own.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from codegen import chips, compiled, explain, output, pipeline, plan, render, tpu_compile  # noqa: E402
 from codegen.errors import SpecError
 
 EXIT_OK, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
@@ -118,13 +122,10 @@ def _shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-def _explain(args: argparse.Namespace) -> int:
-    family = load_family(args.spec, default_out(args.spec))
-    try:
-        chip = chips.get(args.chip)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
-    chosen = [_find(family, args.variant)] if args.variant else family.plans
+def _chosen(args: argparse.Namespace, family: pipeline.Family, chip: chips.Chip) -> list[plan.VariantPlan]:
+    """The variants named (default: all) of the chip's backend and ``--tiling``, legal at ``--shape``."""
+    names = args.variant if isinstance(args.variant, list) else [args.variant] if args.variant else []
+    chosen = [_find(family, name) for name in names] if names else list(family.plans)
     chosen = [p for p in chosen if p.variant.backend == chip.backend]
     if args.tiling:
         chosen = [p for p in chosen if p.variant.tiling == args.tiling]
@@ -135,13 +136,95 @@ def _explain(args: argparse.Namespace) -> int:
             raise UsageError(
                 f"H = {args.shape[1]} is not a multiple of head_chunk {p.head_chunk} of {p.name}"
             )
+    return chosen
+
+
+def _chip(name: str) -> chips.Chip:
+    try:
+        return chips.get(name)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
+def _require_compiler() -> None:
+    if not tpu_compile.available():
+        raise UsageError(f"--compiled and `codegen compile` need {tpu_compile.MISSING}")
+
+
+def _family_package(family: pipeline.Family) -> str:
+    return f"generated.{family.spec.family}"
+
+
+def _explain(args: argparse.Namespace) -> int:
+    family = load_family(args.spec, default_out(args.spec))
+    chip = _chip(args.chip)
+    chosen = _chosen(args, family, chip)
     rate = family.spec.computation.compress_rate
+    if args.compiled:
+        _require_compiler()
+        if chip.name not in tpu_compile.TOPOLOGIES:
+            raise UsageError(f"--compiled compiles for a TPU: one of {', '.join(tpu_compile.TOPOLOGIES)}")
+        rows = compiled.explain(
+            _family_package(family), chosen, [chip.name], args.shape, rate,
+            masks=("causal" if args.causal else "unmasked",), programs=args.programs.split(","), jobs=args.jobs,
+        )  # fmt: skip
+        if args.json:
+            print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
+        else:
+            print(compiled.table(rows, args.shape))
+        return EXIT_OK
     rows = [row for p in chosen for row in explain.explain(p, args.shape, chip, rate, args.causal)]
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
     else:
         print(explain.table(rows, chip, args.shape, args.causal, blocks=not args.no_blocks))
     return EXIT_OK
+
+
+def _compile(args: argparse.Namespace) -> int:
+    """The compile gate: every program of every chosen variant through libtpu; exit 1 on any failure."""
+    _require_compiler()
+    family = load_family(args.spec, default_out(args.spec))
+    targets = args.chip.split(",")
+    for name in targets:
+        if name not in tpu_compile.TOPOLOGIES:
+            raise UsageError(f"unknown chip {name!r}: one of {', '.join(tpu_compile.TOPOLOGIES)}")
+    chosen = _chosen(args, family, _chip(targets[0]))
+    programs = args.programs.split(",")
+    unknown = sorted(set(programs) - set(tpu_compile.PROGRAMS))
+    if unknown:
+        raise UsageError(f"unknown programs {unknown}: choose from {', '.join(tpu_compile.PROGRAMS)}")
+    requests, skipped = [], []
+    for p in chosen:
+        unrolled = (p.head_chunk or args.shape[1]) * (p.block_w // p.compute_w)
+        for program in programs:
+            if program == "grad" and args.max_grad_unroll is not None and unrolled > args.max_grad_unroll:
+                skipped.append(f"{p.name} grad ({unrolled} head x compute block bodies a step)")
+                continue
+            for chip in targets:
+                requests.append(
+                    tpu_compile.Request(
+                        _family_package(family), p.name, chip, program, args.shape, args.top_k
+                    )
+                )
+    print(f"compiling {len(requests)} programs with libtpu, B,H,S,D,W = {','.join(map(str, args.shape))}, "
+          f"causal bounds, sparse top_k {args.top_k}, {args.jobs or os.cpu_count()} at a time", flush=True)  # fmt: skip
+    failed = 0
+    for res in tpu_compile.compile_many(requests, jobs=args.jobs):
+        r = res.request
+        where = f"{r.chip:4s} {r.variant} {r.program}"
+        if res.ok:
+            print(f"ok    {where} ({res.seconds:.0f} s)", flush=True)
+        else:
+            failed += 1
+            print(
+                f"FAIL  {where} kernel {tpu_compile.failed_kernel(res, r.variant)}: {res.error}", flush=True
+            )
+        tpu_compile.discard(res)
+    print(f"{len(requests) - failed} compiled, {failed} failed")
+    if skipped:
+        print(f"not compiled (--max-grad-unroll {args.max_grad_unroll}): " + "; ".join(skipped))
+    return EXIT_DIFFERENT if failed else EXIT_OK
 
 
 def parser() -> argparse.ArgumentParser:
@@ -185,11 +268,12 @@ def parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser(
         "explain",
-        help="per-kernel grid, VMEM, HBM bytes, FLOPs and roofline",
+        help="per-kernel grid, VMEM, HBM bytes, FLOPs and roofline (our model), or the compiled schedule",
         description=(
             "For each kernel of VARIANT (or of every variant): grid, blocks, VMEM footprint against its limit, HBM "
             "bytes moved (re-fetches counted as the Pallas pipeline does them) against the minimum, FLOPs, "
-            "arithmetic intensity and roofline time on CHIP."
+            "arithmetic intensity and roofline time on CHIP, from our model; with --compiled, what the TPU compiler made of "
+            "them: bundles per grid step and path, slot occupancy, spills, loops and cycles per call."
         ),
     )
     p.add_argument("spec", metavar="SPEC")
@@ -202,7 +286,46 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--tiling", metavar="NAME", help="only the variants of this spec tiling (e.g. prod)")
     p.add_argument("--no-blocks", action="store_true", help="leave out the per-kernel block shapes")
+    p.add_argument(
+        "--compiled",
+        action="store_true",
+        help="compile with libtpu (the tpu extra) and report the compiled schedule instead of the model",
+    )
+    p.add_argument(
+        "--programs", default="fwd,grad", help="with --compiled: of fwd,grad,sparse_fwd,sparse_grad"
+    )
+    p.add_argument("--jobs", type=int, help="with --compiled: compiles at once (default: one per core)")
     p.set_defaults(run=_explain)
+
+    p = commands.add_parser(
+        "compile",
+        help="compile every variant's programs with the real TPU compiler (libtpu, no TPU needed)",
+        description=(
+            "Compile the programs of VARIANT (or of every TPU variant) ahead of time for each chip with libtpu "
+            "(the tpu extra): score's forward and gradient with causal bounds, sparse_score's forward and "
+            "gradient. Prints one line per program; exit 1 if any does not compile, naming the variant, program, "
+            "kernel, chip and Mosaic's message."
+        ),
+    )
+    p.add_argument("spec", metavar="SPEC")
+    p.add_argument("variant", metavar="VARIANT", nargs="*", help="default: every TPU variant")
+    p.add_argument(
+        "--chip", default="7x", help=f"comma-separated, of {', '.join(tpu_compile.TOPOLOGIES)} (default 7x)"
+    )
+    p.add_argument("--shape", type=_shape, default=(1, 64, 8192, 128, 2048), metavar="B,H,S,D,W",
+                   help="default: DeepSeek-V4 prefill, 1,64,8192,128,2048")  # fmt: skip
+    p.add_argument("--programs", default=",".join(tpu_compile.PROGRAMS))
+    p.add_argument("--top-k", type=int, default=512, help="sparse_score's top_k (default 512)")
+    p.add_argument(
+        "--max-grad-unroll",
+        type=int,
+        metavar="N",
+        help="skip the gradient of variants whose kernels unroll more than N (head, compute block) bodies in a "
+        "grid step: their compile takes minutes (all heads x 8 compute blocks: 512); they are listed",
+    )
+    p.add_argument("--tiling", metavar="NAME", help="only the variants of this spec tiling (e.g. prod)")
+    p.add_argument("--jobs", type=int, help="compiles at once (default: one per core)")
+    p.set_defaults(run=_compile)
     return top
 
 

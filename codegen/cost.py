@@ -116,9 +116,13 @@ def unmasked_kinds(t: Tiling) -> BlockKinds:
     )
 
 
-def block_kinds(t: Tiling, kv_start, kv_end) -> BlockKinds:
-    """Classifies a call's compute blocks as its kernels do, from integer [B, S] visibility bounds."""
+def kind_matrix(t: Tiling, kv_start=None, kv_end=None) -> np.ndarray:
+    """Every (q block, compute block) of a call as its kernels classify it: int8 [B * q blocks, compute
+    blocks of the padded W], 0 empty, 1 full, 2 partial; without bounds, every one full."""
     p = t.shape
+    rows, cols = p.batch * (t.seq_pad // t.block_q), t.blocks_pad // t.compute_w
+    if kv_start is None:
+        return np.ones((rows, cols), np.int8)
 
     def padded(bound):  # clipped to the blocks that exist; padding queries see nothing
         bound = np.clip(np.asarray(bound, np.int64), 0, p.num_blocks).astype(np.int32)
@@ -129,6 +133,13 @@ def block_kinds(t: Tiling, kv_start, kv_end) -> BlockKinds:
     ]
     lo = np.arange(0, t.blocks_pad, t.compute_w, dtype=np.int32)[None]
     empty, full = (np.asarray(x) for x in masks.block_kind(*bounds, lo, lo + t.compute_w))
+    return np.where(empty, 0, np.where(full, 1, 2)).astype(np.int8)
+
+
+def block_kinds(t: Tiling, kv_start, kv_end) -> BlockKinds:
+    """Classifies a call's compute blocks as its kernels do, from integer [B, S] visibility bounds."""
+    kinds = kind_matrix(t, kv_start, kv_end)
+    empty, full = kinds == 0, kinds == 1
     # A w tile has work iff one of its compute blocks has: its DMAs are the ones the index maps keep.
     tile_work = ~empty.reshape(empty.shape[0], -1, t.block_w // t.compute_w).all(axis=2)
     return BlockKinds(
@@ -140,11 +151,15 @@ def block_kinds(t: Tiling, kv_start, kv_end) -> BlockKinds:
     )
 
 
+def causal_bounds(shape: Shape, compress_rate: int) -> tuple[np.ndarray, np.ndarray]:
+    """(kv_start, kv_end) of causal CSA from position 0: query p sees blocks w < (p + 1) // r, every sequence."""
+    kv_end = np.broadcast_to((np.arange(shape.seq_len) + 1) // compress_rate, (shape.batch, shape.seq_len))
+    return np.zeros_like(kv_end), kv_end
+
+
 def causal_kinds(t: Tiling, compress_rate: int) -> BlockKinds:
-    """``block_kinds`` of causal CSA from position 0 (query p sees blocks w < (p + 1) // r), every sequence."""
-    p = t.shape
-    kv_end = np.broadcast_to((np.arange(p.seq_len) + 1) // compress_rate, (p.batch, p.seq_len))
-    return block_kinds(t, np.zeros_like(kv_end), kv_end)
+    """``block_kinds`` of causal CSA from position 0."""
+    return block_kinds(t, *causal_bounds(t.shape, compress_rate))
 
 
 def padded_bytes(shape: tuple[int, ...], nbytes: int) -> int:

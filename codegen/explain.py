@@ -69,8 +69,9 @@ def explain(
 
 def table(rows: list[Row], chip: chips.Chip, shape, causal: bool, blocks: bool = True) -> str:
     """A plain-text table, one line per kernel, then (with ``blocks``) each kernel's block shapes."""
-    head = f"chip {chip.name}; B,H,S,D,W = {','.join(map(str, shape))}" + (
-        "; causal (only the compute blocks with work counted)" if causal else ""
+    head = (
+        f"modelled (codegen/cost.py), not compiled; chip {chip.name}; B,H,S,D,W = {','.join(map(str, shape))}"
+        + ("; causal (only the compute blocks with work counted)" if causal else "")
     )
     columns = ["variant", "kernel", "grid", "VMEM MiB / limit", "HBM MiB", "x min", "MXU GFLOP", "VPU Gop"]
     columns += ["MXU x unmasked"] * causal + ["op/B", "roofline us"]

@@ -7,6 +7,9 @@ import os
 os.environ["XLA_FLAGS"] = " ".join(
     flag for flag in (os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0") if flag
 )
+# The suite runs on the CPU. With libtpu installed (the tpu extra, for the compile tests) JAX would try,
+# and fail, to start a TPU backend first; the TPU compiler runs in child processes of its own.
+os.environ["JAX_PLATFORMS"] = "cpu"
 
 import pytest  # noqa: E402
 

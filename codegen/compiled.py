@@ -1,0 +1,429 @@
+"""What the compiled kernels cost, read from the TPU compiler's own schedule (``codegen explain --compiled``).
+
+For every kernel of a program compiled ahead of time (``codegen.tpu_compile``) this reads the final
+bundles (``codegen.schedule``) and reports: whether it compiled (else Mosaic's message); the bundles one
+grid step issues on each path it can take, every compute block empty, full or partial; the MXU, XLU and
+VALU slot occupancy and the spill stores of the full path; the loops inside a step; and the cycles of a
+whole call at a shape and mask, summing over the grid steps the bundles of the path each step takes,
+with every (q block, compute block) classified by the plan's own rule (``codegen.cost.kind_matrix``).
+The same is done for a calibration kernel on the same chip (a plain Pallas matmul of the same
+contraction depth, operand type and output dtype, over as many logits as the call has unmasked), so
+that "x matmul" reads without the chip's clock.
+
+Assumptions: one bundle issues per cycle; DMAs overlap the compute; no stalls. The compiler's own
+branch regions around the template's (its pipeline's bookkeeping, an output window's copy) are
+counted as taken on every step: a small overestimate, stated rather than modelled. The grid loop's
+extra iterations (``PIPELINE_ITERATIONS``) issue the body less its wrapper region.
+
+How the branches of a step map to compute blocks: the kernel templates unroll the compute blocks of a
+tile, each with the same ``pl.when`` structure, which ``BRANCHES`` states per kernel (conditions in
+program order, nested as in the template). The reader finds the compiler's wrapper region (the largest
+top-level one), splits its branches into the kernel's prologue, one group per compute block and its
+epilogue, and checks that every group has the stated shape; a template whose branches change without
+``BRANCHES`` fails there, naming the kernel and what was found. A condition the compiler if-converted
+has no branch and is not in ``BRANCHES``: its instructions issue on every path, which is what they cost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import numpy as np
+
+from codegen import cost, schedule, tpu_compile
+from codegen.plan import KernelPlan, VariantPlan
+
+# Conditions of a compute block's branch regions: on the block's kind and the step's place in the
+# kernel's reduction (first, last).
+CONDITIONS = {
+    "work": lambda kind, first, last: kind != "empty",
+    "empty": lambda kind, first, last: kind == "empty",
+    "partial": lambda kind, first, last: kind == "partial",
+    "first": lambda kind, first, last: first,
+    "rest": lambda kind, first, last: not first,
+    "last": lambda kind, first, last: last,
+    "work_last": lambda kind, first, last: kind != "empty" and last,
+    "empty_last": lambda kind, first, last: kind == "empty" and last,
+}
+KINDS = ("empty", "full", "partial")
+
+
+@dataclasses.dataclass(frozen=True)
+class Branches:
+    """A kernel's branch regions inside the compiler's wrapper: ``prologue`` and ``epilogue`` once per
+    step, ``per_block`` once per compute block; each region is (condition, nested regions)."""
+
+    prologue: tuple = ()
+    per_block: tuple = ()
+    epilogue: tuple = ()
+
+
+_PARTIAL = ("partial", ())
+# From the templates (templates/tpu/forward.py.j2, backward.py.j2) and _runtime's mask_partial, accumulate.
+BRANCHES = {
+    # all heads in a step: the empty block's masked store, else the scores (their mask if partial)
+    ("forward", False): Branches(per_block=(("empty", ()), ("work", (_PARTIAL,)))),
+    # a head chunk per step: accumulate (set at the first chunk, add after), store at the last
+    ("forward", True): Branches(
+        per_block=(("work", (("first", ()), ("rest", ()))), ("work_last", (_PARTIAL,)), ("empty_last", ()))
+    ),
+    # zero at the reduction's first step; a block with work (the cotangent masked if partial); store at the last
+    ("dq_dweights", False): Branches(prologue=(("first", ()),), per_block=(("work", (_PARTIAL,)),), epilogue=(("last", ()),)),
+    # the same; the transposed mask is if-converted by the compiler (no branch)
+    ("dk", False): Branches(prologue=(("first", ()),), per_block=(("work", ()),), epilogue=(("last", ()),)),
+}  # fmt: skip
+BRANCHES[("dq_dweights", True)] = BRANCHES[("dq_dweights", False)]
+BRANCHES[("dk", True)] = BRANCHES[("dk", False)]
+
+
+class StructureError(schedule.ScheduleError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Steps:
+    """A kernel's grid step read against its ``Branches``: bundles issued outside the compute blocks'
+    regions, and per compute block its top-level regions."""
+
+    sched: schedule.Schedule
+    branches: Branches
+    prologue: tuple[schedule.Span, ...]
+    blocks: tuple[tuple[schedule.Span, ...], ...]
+    epilogue: tuple[schedule.Span, ...]
+
+    @property
+    def shared(self) -> int:
+        """Bundles a step issues whatever its blocks and place: the body less every mapped region."""
+        mapped = self.prologue + self.epilogue + tuple(s for block in self.blocks for s in block)
+        return self.sched.body - sum(s.size for s in mapped)
+
+    def _skipped(self, spans, conds, kind, first, last) -> list[schedule.Span]:
+        """The regions not issued among ``spans`` (conditions ``conds``) and inside the issued ones."""
+        out = []
+        for span, (cond, nested) in zip(spans, conds):
+            if CONDITIONS[cond](kind, first, last):
+                out += self._skipped(span.children, nested, kind, first, last)
+            else:
+                out.append(span)
+        return out
+
+    def skipped(self, kinds, first: bool, last: bool) -> list[schedule.Span]:
+        """Regions a step skips whose compute blocks are of ``kinds`` (one per block)."""
+        out = self._skipped(self.prologue, self.branches.prologue, None, first, last)
+        out += self._skipped(self.epilogue, self.branches.epilogue, None, first, last)
+        for spans, kind in zip(self.blocks, kinds):
+            out += self._skipped(spans, self.branches.per_block, kind, first, last)
+        return out
+
+    def bundles(self, kinds, first: bool, last: bool) -> int:
+        """Bundles a step issues."""
+        return self.sched.body - sum(s.size for s in self.skipped(kinds, first, last))
+
+    def _issued(self, spans, conds, kind, first, last) -> int:
+        return sum(s.size for s in spans) - sum(
+            s.size for s in self._skipped(spans, conds, kind, first, last)
+        )
+
+    def block_bundles(self, n: int, kind: str, first: bool, last: bool) -> int:
+        """Bundles compute block ``n``'s regions issue."""
+        return self._issued(self.blocks[n], self.branches.per_block, kind, first, last)
+
+    def prologue_bundles(self, first: bool, last: bool) -> int:
+        """Bundles the prologue's and epilogue's regions issue."""
+        conds = self.branches.prologue + self.branches.epilogue
+        return self._issued(self.prologue + self.epilogue, conds, None, first, last)
+
+
+def _shape_of(spans) -> tuple:
+    return tuple((len(s.children), _shape_of(s.children)) for s in spans)
+
+
+def _want(conds) -> tuple:
+    return tuple((len(nested), _want(nested)) for _, nested in conds)
+
+
+def _alike(groups) -> bool:
+    """Whether the compute blocks' groups have the same regions: the same nesting, and sizes within 10%
+    of each other position by position (the same code, unrolled, scheduled alike)."""
+    for position in zip(*groups):
+        sizes = [s.size for s in position]
+        if len({_shape_of([s]) for s in position}) > 1 or max(sizes) > 1.1 * min(sizes) + 8:
+            return False
+    return True
+
+
+def steps(kernel: str, chunked: bool, sched: schedule.Schedule, compute_blocks: int) -> Steps:
+    """Maps ``sched``'s branch regions onto the kernel's ``BRANCHES``; StructureError if they differ.
+
+    Inside the compiler's wrapper region, the template's regions are a contiguous run: its prologue,
+    ``compute_blocks`` alike groups, its epilogue. Regions the compiler adds around them (the copy of an
+    output window, say) are shared code: issued, as an upper bound, on every step."""
+    branches = BRANCHES[(kernel, chunked)]
+    if not sched.spans:
+        raise StructureError(f"{kernel}: no branch region in the grid-step body")
+    inner = max(sched.spans, key=lambda s: s.size).children
+    pre, post, per = len(branches.prologue), len(branches.epilogue), len(branches.per_block)
+    want = pre + post + per * compute_blocks
+    for start in range(len(inner) - want + 1):
+        run = inner[start : start + want]
+        groups = tuple(tuple(run[pre + n * per : pre + (n + 1) * per]) for n in range(compute_blocks))
+        if (
+            _shape_of(run[:pre]) == _want(branches.prologue)
+            and _shape_of(run[want - post :]) == _want(branches.epilogue)
+            and all(_shape_of(g) == _want(branches.per_block) for g in groups)
+            and _alike(groups)
+        ):
+            return Steps(sched, branches, tuple(run[:pre]), groups, tuple(run[want - post :]))
+    raise StructureError(
+        f"{kernel}: the step's {len(inner)} branch regions hold no run of {pre} + {compute_blocks} compute "
+        f"blocks x {per} + {post} nested as the template's {branches}; found nesting {_shape_of(inner)}"
+    )
+
+
+# The grid loop runs this many iterations more than the grid has steps (its pipeline's fill and drain,
+# which issue DMAs and skip the wrapper region): read from every dense kernel's exit test by the tests.
+PIPELINE_ITERATIONS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelReport:
+    """One compiled kernel on one chip."""
+
+    kernel: str
+    bundles: int  # of the whole kernel
+    straight_line: int  # the grid-step body, every region counted as taken and every loop once
+    executed: int  # bundles a step issues: on the full path (dense), every loop trip counted (sparse)
+    paths: dict[str, int]  # a step every compute block of which is empty / full / partial (dense)
+    occupancy: dict[str, float]  # of the bundles ``executed`` counts
+    spill_stores: int  # the same
+    loops: tuple[tuple[int, int], ...]  # loops inside a step: (bundles, trips)
+    steps: int  # grid steps of the call
+    cycles: int  # of the call at its shape and mask
+    calibration_cycles: int  # the plain matmul over as many logits
+
+
+def _fill_and_drain(sched: schedule.Schedule) -> int:
+    """Bundles of the grid loop's extra iterations: the body less its wrapper region."""
+    wrapper = max((s.size for s in sched.spans), default=0)
+    return PIPELINE_ITERATIONS * (sched.body - wrapper)
+
+
+def reduction_flags(kp: KernelPlan, extents: dict[str, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Over the kernel's grid (indexed in ``AXES`` order b, i, j, c): each step's (b, i, j) and whether it is
+    its reduction's first and last step."""
+    names = "bijc"
+    grid = np.indices([extents[a] for a in names]).reshape(4, -1)
+    first = np.ones(grid.shape[1], bool)
+    last = np.ones(grid.shape[1], bool)
+    for axis in kp.reduced:
+        n = names.index(axis)
+        first &= grid[n] == 0
+        last &= grid[n] == extents[axis] - 1
+    return grid, first, last
+
+
+def call_cycles(kp: KernelPlan, st: Steps, t: cost.Tiling, kinds: np.ndarray) -> int:
+    """Cycles of a call: per grid step the bundles of the path it takes. ``kinds``: the plan's
+    classification, [B * q blocks, compute blocks of the padded W] in 0 empty, 1 full, 2 partial."""
+    ex = t.extents
+    n_blocks = t.block_w // t.compute_w
+    # bundles of compute block n of kind k at (first, last)
+    table = np.array(
+        [
+            [[[st.block_bundles(n, KINDS[k], f, l) for l in (0, 1)] for f in (0, 1)] for k in range(3)]
+            for n in range(n_blocks)
+        ]
+    )
+    grid, first, last = reduction_flags(kp, ex)
+    b, i, j = grid[0], grid[1], grid[2]
+    rows = b * ex["i"] + i
+    total = st.shared * grid.shape[1] + _fill_and_drain(st.sched)
+    flags = first.astype(int), last.astype(int)
+    for f, l in itertools.product((0, 1), (0, 1)):
+        total += st.prologue_bundles(f, l) * int(np.sum((flags[0] == f) & (flags[1] == l)))
+    for n in range(n_blocks):
+        k = kinds[rows, j * n_blocks + n]
+        total += int(table[n][k, flags[0], flags[1]].sum())
+    return int(total)
+
+
+def kernel_report(
+    plan: VariantPlan,
+    kp: KernelPlan | None,
+    kernel: str,
+    sched: schedule.Schedule,
+    t: cost.Tiling,
+    kinds: np.ndarray,
+    calibration: schedule.Schedule,
+    calibration_logits: int,
+) -> KernelReport:
+    """The report of one dense kernel (``kp``), or of a sparse one (``kp`` None: its grid is not the plan's,
+    so bundles, occupancy and loops only). The calibration matmul is branch-free: a call of it costs its
+    steps times its loop body, ``calibration_logits`` logits a step."""
+    logits = t.shape.batch * t.shape.num_heads * t.shape.seq_len * t.shape.num_blocks
+    calib = calibration.body * logits // calibration_logits
+    loops = tuple((loop.size, loop.trips) for loop in sched.loops)
+    if kp is None:  # a sparse kernel: no compute blocks, the same bundles every step
+        steps_ = sched.grid_trips - PIPELINE_ITERATIONS
+        return KernelReport(
+            kernel, sched.bundles, sched.body, sched.executed(), {}, sched.occupancy(), sched.spill_stores(), loops,
+            steps_, steps_ * sched.executed() + _fill_and_drain(sched), calib,
+        )  # fmt: skip
+    if sched.loops:
+        raise StructureError(
+            f"{kernel}: a loop inside a dense kernel's step is not costed ({len(loops)} found)"
+        )
+    n_blocks = t.block_w // t.compute_w
+    st = steps(kp.name, plan.head_chunk > 0, sched, n_blocks)
+    steady = not kp.reduced  # a step inside its reduction (neither first nor last), or its only step
+    full = sched.skipped(st.skipped(["full"] * n_blocks, steady, steady))
+    paths = {k: st.bundles([k] * n_blocks, steady, steady) for k in KINDS}
+    ex = t.extents
+    return KernelReport(
+        kernel=kernel,
+        bundles=sched.bundles,
+        straight_line=sched.body,
+        executed=paths["full"],
+        paths=paths,
+        occupancy=sched.occupancy(full),
+        spill_stores=sched.spill_stores(full),
+        loops=loops,
+        steps=int(np.prod([ex[a] for a in kp.axes])),
+        cycles=call_cycles(kp, st, t, kinds),
+        calibration_cycles=calib,
+    )
+
+
+# The report over variants: compile, read, cost.
+
+CALIBRATION_BLOCK = (512, 1024)  # the calibration matmul's output tile: rows x columns per grid step
+
+
+def calibration_request(plan: VariantPlan, chip: str, shape) -> tpu_compile.Request:
+    """The plain matmul a variant's kernels are compared with: depth D, the MXU operand type and
+    precision of the variant, its output dtype."""
+    f32 = plan.mxu_itemsize == 4
+    params = (
+        shape[3],
+        "float32" if f32 else "bfloat16",
+        "highest" if f32 else "default",
+        plan.variant.policy.out,
+    )
+    return tpu_compile.Request(
+        "", "", chip, tpu_compile.CALIBRATION, tuple(shape), calibration=params + CALIBRATION_BLOCK
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    variant: str
+    chip: str
+    program: str
+    kernel: str
+    mask: str  # "unmasked" or "causal"
+    ok: bool
+    error: str
+    report: KernelReport | None
+
+
+def explain(
+    family: str, plans: list[VariantPlan], chips: list[str], shape, compress_rate: int,
+    masks=("causal",), programs=("fwd", "grad"), top_k: int = 512, jobs: int | None = None,
+    keep: str | None = None,
+) -> list[Row]:  # fmt: skip
+    """Compiles ``programs`` of every plan on every chip (once, with visibility bounds: the program is the
+    same whatever they hold) and reads each kernel's schedule; costs each call under every mask."""
+    requests = [
+        tpu_compile.Request(family, p.name, chip, program, tuple(shape), top_k, causal=True)
+        for p in plans
+        for chip in chips
+        for program in programs
+    ]
+    calibrations = {}
+    for p in plans:
+        for chip in chips:
+            r = calibration_request(p, chip, shape)
+            calibrations.setdefault((chip, r.calibration), r)
+    results = list(tpu_compile.compile_many(requests + list(calibrations.values()), jobs=jobs, keep=keep))
+    by_request = dict(zip(requests + list(calibrations.values()), results))
+    calib = {}
+    for key, r in calibrations.items():
+        res = by_request[r]
+        if not res.ok:
+            raise RuntimeError(f"the calibration matmul did not compile on {key[0]}: {res.error}")
+        calib[key] = schedule.parse(*res.kernels()[tpu_compile.CALIBRATION])
+    rows = []
+    for request in requests:
+        res = by_request[request]
+        plan = next(p for p in plans if p.name == request.variant)
+        t = cost.tiling(plan, shape)
+        cal = calib[(request.chip, calibration_request(plan, request.chip, shape).calibration)]
+        compiled = res.kernels()
+        # the forward is reported from its own program when that is compiled too
+        wanted = [
+            k for k in tpu_compile.PROGRAMS[request.program]
+            if not (request.program.endswith("grad") and request.program.replace("grad", "fwd") in programs
+                    and k.endswith("forward"))
+        ]  # fmt: skip
+        for kernel in wanted:
+            for mask in masks:
+                common = (plan.name, request.chip, request.program, kernel, mask)
+                if not res.ok:
+                    named = tpu_compile.failed_kernel(res, plan.name)
+                    error = res.error if named == kernel or named not in wanted else "not reached"
+                    rows.append(Row(*common, False, error, None))
+                    continue
+                name = f"{plan.name}_{kernel}"
+                if name not in compiled:
+                    raise schedule.ScheduleError(
+                        f"{plan.name} {request.program} on {request.chip}: no schedule of {name}"
+                    )
+                bounds = cost.causal_bounds(t.shape, compress_rate) if mask == "causal" else ()
+                sched = schedule.parse(*compiled[name])
+                kp = next((k for k in plan.kernels if k.name == kernel), None)
+                report = kernel_report(
+                    plan,
+                    kp,
+                    kernel,
+                    sched,
+                    t,
+                    cost.kind_matrix(t, *bounds),
+                    cal,
+                    CALIBRATION_BLOCK[0] * CALIBRATION_BLOCK[1],
+                )
+                rows.append(Row(*common, True, "", report))
+    if not keep:
+        for res in results:
+            tpu_compile.discard(res)
+    return rows
+
+
+def table(rows: list[Row], shape) -> str:
+    """One line per kernel: compiled or Mosaic's message; bundles per grid step by path; occupancy;
+    cycles per call against the calibration matmul."""
+    head = (
+        f"compiled by libtpu (ahead of time, no TPU), not modelled; B,H,S,D,W = {','.join(map(str, shape))}; "
+        "a bundle per cycle, DMAs overlapped, no stalls; step bundles at a step inside the reduction"
+    )
+    columns = ["variant", "chip", "kernel", "mask", "step: straight", "executed", "empty", "full", "partial",
+               "MXU", "XLU", "VALU", "spills", "loops x trips", "Mcycles", "x matmul"]  # fmt: skip
+    lines = []
+    for r in rows:
+        if not r.ok:
+            lines.append([r.variant, r.chip, r.kernel, r.mask, f"DOES NOT COMPILE: {r.error}"])
+            continue
+        k = r.report
+        occ = k.occupancy
+        loops = ", ".join(f"{size}x{trips}" for size, trips in sorted(set(k.loops))) or "-"
+        lines.append(
+            [r.variant, r.chip, r.kernel, r.mask, f"{k.straight_line:,}", f"{k.executed:,}",
+             *(f"{k.paths[p]:,}" if k.paths else "-" for p in KINDS),
+             *(f"{occ[u]:.0%}" for u in ("MXU", "XLU", "VALU")), str(k.spill_stores), loops,
+             f"{k.cycles / 1e6:,.2f}", f"{k.cycles / k.calibration_cycles:.2f}"]
+        )  # fmt: skip
+    widths = [max(len(c), *(len(line[i]) for line in lines if len(line) > i)) for i, c in enumerate(columns)]
+    out = [head, "  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip()]
+    for line in lines:
+        out.append("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
+    return "\n".join(out)

@@ -1,0 +1,236 @@
+"""Reading a kernel's final VLIW schedule, as the TPU compiler (libtpu) dumps it.
+
+With ``--xla_jf_dump_to=DIR`` libtpu writes, per kernel, ``*final_bundles.txt`` (the program as issued:
+one bundle of instructions per line, one bundle per cycle) and ``*final_hlo-static-per-bundle-utilization.txt``
+(per bundle, how many of each unit's slots it fills). This module turns them into what a grid step costs.
+
+What the dumps show, and what is assumed:
+- The grid loop is the outermost loop: its first bundle is marked ``LB`` and it ends with the ``sbr.rel``
+  that jumps back to a region starting there.
+- A ``pl.when`` (or ``lax.cond``) that the compiler keeps as a branch is an ``sbr.rel (pred) target =
+  $regionN``: when ``pred`` holds, the bundles from the end of its delay slots up to the bundle where region
+  N starts are skipped. The delay slots after a branch issue whatever it decides; how many there are is
+  the chip's (4 on v6e, 6 on 7x in the dumps read so far), so ``parse`` reads it from the dump: a
+  branch closes its own region that many bundles later (``_delay_slots``). A
+  condition the compiler if-converted has no branch: its instructions issue, predicated, on every path.
+- One bundle issues per cycle; DMAs overlap the compute; no stalls (a DMA not yet arrived, a taken
+  branch's refill) are in the count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+MAX_DELAY_SLOTS = 12  # looked for after a branch: the bundles that issue before it takes effect
+UNITS = ("MXU", "XLU", "VALU", "VPOP", "EUP", "VLOAD", "VLOAD:FILL", "VSTORE", "VSTORE:SPILL", "SALU")
+
+_BUNDLE = re.compile(r"^\s*(0x[0-9a-f]+|\d+)\s+(LB|LH|LE|PB|PF|CT)?\s*:")
+_STARTS = re.compile(r"(?:Start|Start/End empty) region (\d+)\b")
+_BRANCH = re.compile(r"sbr\.rel \((!?%\w+)\) target = \$region(\d+)")
+_EXIT_TEST = re.compile(r"scmp\.ge\.s32\.totalorder %\w+, (\d+) /\* loop exit test")
+
+
+class ScheduleError(ValueError):
+    """A dump whose structure this reader does not recognise: nothing is guessed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """Bundles ``[start, stop)`` that a branch at ``branch`` skips when ``predicate`` holds; ``children``:
+    the spans nested inside it, in program order."""
+
+    branch: int
+    start: int
+    stop: int
+    predicate: str
+    children: tuple[Span, ...] = ()
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+    def contains(self, other: Span) -> bool:
+        return self.start <= other.branch and other.stop <= self.stop
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """A loop: bundles ``[start, stop)`` issued ``trips`` times (its exit test's bound: the counter runs
+    from 0 by 1, as the compiler's "iteration index" does)."""
+
+    start: int
+    stop: int
+    trips: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """One kernel's final bundles: the grid-loop body ``[body_start, body_stop)``, the branch spans inside
+    it as a tree, the loops nested inside it, and every bundle's slot use (``UNITS`` order)."""
+
+    bundles: int
+    body_start: int
+    body_stop: int
+    spans: tuple[Span, ...]  # top level of the body, program order
+    grid_trips: int  # iterations of the grid loop (the pipeline's prologue and epilogue included)
+    loops: tuple[Loop, ...]  # loops inside the body, outermost ones only
+    capacity: tuple[int, ...]
+    utilization: tuple[tuple[int, ...], ...]  # per bundle
+    text: tuple[str, ...]  # per bundle
+
+    @property
+    def body(self) -> int:
+        """Straight-line bundles of one grid step: every branch region counted as taken."""
+        return self.body_stop - self.body_start
+
+    def executed(self, skipped: set[int] = frozenset()) -> int:
+        """Bundles one grid step issues when ``skipped`` are not: a loop inside it once per trip."""
+        issued = set(self.issued(skipped))
+        return len(issued) + sum(
+            (loop.trips - 1) * len(issued & set(range(loop.start, loop.stop))) for loop in self.loops
+        )
+
+    def skipped(self, spans) -> set[int]:
+        """Bundle indices not issued when ``spans`` are skipped."""
+        return {b for s in spans for b in range(s.start, s.stop)}
+
+    def issued(self, skipped: set[int] = frozenset()) -> list[int]:
+        """The body's bundles a step issues when ``skipped`` are not."""
+        return [b for b in range(self.body_start, self.body_stop) if b not in skipped]
+
+    def count(self, pattern: str, skipped: set[int] = frozenset()) -> int:
+        """Occurrences of the regex ``pattern`` in the body's issued bundles."""
+        rx = re.compile(pattern)
+        return sum(len(rx.findall(self.text[b])) for b in self.issued(skipped))
+
+    def occupancy(self, skipped: set[int] = frozenset()) -> dict[str, float]:
+        """Per unit, the share of its slots the body's issued bundles fill."""
+        issued = self.issued(skipped)
+        used = [sum(self.utilization[b][u] for b in issued) for u in range(len(UNITS))]
+        return {unit: used[u] / (self.capacity[u] * len(issued)) for u, unit in enumerate(UNITS)}
+
+    def spill_stores(self, skipped: set[int] = frozenset()) -> int:
+        """Vector stores to spill slots among the body's issued bundles."""
+        spill = UNITS.index("VSTORE:SPILL")
+        return sum(self.utilization[b][spill] for b in self.issued(skipped))
+
+
+def _bundle_lines(path: str) -> list[tuple[str, str]]:
+    with open(path) as f:
+        return [(m.group(2) or "", line) for line in f if (m := _BUNDLE.match(line))]
+
+
+def _utilization(path: str, bundles: int) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    with open(path) as f:
+        lines = [line.split() for line in f if line.strip()]
+    names = lines[1]
+    if tuple(n.rstrip(",") for n in names) != UNITS or lines[3][0] != "==":
+        raise ScheduleError(f"{path}: unexpected header {lines[:4]}")
+    capacity = tuple(int(x) for x in lines[2])
+    rows = tuple(tuple(int(x) for x in row) for row in lines[4:])
+    if len(rows) != bundles:
+        raise ScheduleError(f"{path}: {len(rows)} utilization rows for {bundles} bundles")
+    return capacity, rows
+
+
+def _tree(spans: list[Span]) -> tuple[Span, ...]:
+    """Nests spans (in program order, properly nested) into a tree."""
+    top: list[Span] = []
+    stack: list[tuple[Span, list[Span]]] = []
+
+    def close():
+        span, kids = stack.pop()
+        done = dataclasses.replace(span, children=tuple(kids))
+        (stack[-1][1] if stack else top).append(done)
+
+    for span in spans:
+        while stack and not stack[-1][0].contains(span):
+            if span.branch < stack[-1][0].stop < span.stop:
+                raise ScheduleError(f"branch regions overlap: {stack[-1][0]} and {span}")
+            close()
+        stack.append((span, []))
+    while stack:
+        close()
+    return tuple(top)
+
+
+def _delay_slots(lines, branches: list[int], path: str) -> int:
+    """The chip's delay slots: the largest distance after a branch at which many branches (a third or
+    more) close a region. A branch's own region closes there; a region that closes sooner is nested, or
+    ends early because the compiler moved the skippable region's first, predicated, ops into the slots."""
+    closes = {
+        d: sum(1 for n in branches if n + d < len(lines) and "End region" in lines[n + d][1])
+        for d in range(1, MAX_DELAY_SLOTS + 1)
+    }
+    many = [d for d, count in closes.items() if count * 3 >= len(branches)]
+    if not branches or not many:
+        raise ScheduleError(
+            f"{path}: no delay-slot count many branches agree on (regions closed at each: {closes})"
+        )
+    return max(many)
+
+
+def _trips(lines, start: int, stop: int, path: str) -> int:
+    """The trip count of the loop ``[start, stop)``: the bound of the last exit test inside it."""
+    found = [int(m.group(1)) for _, line in lines[start:stop] if (m := _EXIT_TEST.search(line))]
+    if not found:
+        raise ScheduleError(f"{path}: the loop at bundle {start} has no exit test with a constant bound")
+    return found[-1]
+
+
+def parse(bundles_path: str, utilization_path: str) -> Schedule:
+    """The schedule of one kernel from its two dump files."""
+    lines = _bundle_lines(bundles_path)
+    starts: dict[str, int] = {}
+    for n, (_, line) in enumerate(lines):
+        for region in _STARTS.findall(line):
+            starts.setdefault(region, n)
+    loop = next((n for n, (mark, _) in enumerate(lines) if mark == "LB"), None)
+    branches = []
+    for n, (_, line) in enumerate(lines):
+        for predicate, region in _BRANCH.findall(line):
+            if region not in starts:
+                raise ScheduleError(
+                    f"{bundles_path}: branch at bundle {n} to region {region}, which never starts"
+                )
+            branches.append((n, starts[region], predicate))
+    if loop is None:
+        raise ScheduleError(f"{bundles_path}: no loop (LB) marker: not a gridded kernel")
+    back = [n for n, target, _ in branches if target == loop]
+    if not back:
+        raise ScheduleError(f"{bundles_path}: no branch back to the grid loop's first bundle {loop}")
+    delay = _delay_slots(lines, [n for n, _, _ in branches if n >= loop], bundles_path)
+    body_stop = max(back) + delay + 1
+    forward = [
+        Span(n, n + delay + 1, max(target, n + delay + 1), p)
+        for n, target, p in branches
+        if loop <= n < target <= body_stop
+    ]
+    # an inner loop: a branch back to an LB inside the body; only the outermost ones are kept
+    inner = [
+        (target, n + delay + 1)
+        for n, target, _ in branches
+        if loop < target <= n < body_stop and lines[target][0] == "LB"
+    ]
+    loops = [
+        Loop(a, b, _trips(lines, a, b, bundles_path))
+        for a, b in inner
+        if not any(c <= a and b <= d and (c, d) != (a, b) for c, d in inner)
+    ]
+    capacity, rows = _utilization(utilization_path, len(lines))
+    return Schedule(
+        bundles=len(lines),
+        body_start=loop,
+        body_stop=body_stop,
+        spans=_tree(forward),
+        grid_trips=_trips(lines, loop, body_stop, bundles_path),
+        loops=tuple(sorted(loops, key=lambda loop_: loop_.start)),
+        capacity=capacity,
+        utilization=rows,
+        text=tuple(line for _, line in lines),
+    )

@@ -1,0 +1,127 @@
+"""The real TPU compiler in the loop: libtpu compiles the production kernels here, and the schedule reader.
+
+The compile gate over every variant (``codegen compile``) runs in CI at the newest JAX; these tests hold
+the reader and the cycle count to the compiled program at both ends of the JAX range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from codegen import cli, compiled, cost, pipeline, schedule, tpu_compile
+from tests.spec_cases import SPEC_PATH
+
+SHAPE = (1, 64, 8192, 128, 2048)
+PRODUCTION = "tpu_sm_bf16_q128_w1024_hc16"
+# What libtpu printed for the sparse gather of bfloat16 rows before it read aligned row groups.
+MOSAIC_ERROR = (
+    "XlaRuntimeError: INTERNAL: Mosaic failed to compile TPU kernel with MLIR module name "
+    "`tpu_sm_bf16_q128_w1024_hc16_sparse_forward` HLO name `tpu_sm_bf16_q128_w1024_hc16_sparse_forward.1`: "
+    "E2003: CompileTimeMosaicUnprovenMemoryAccessAlignment: cannot statically prove that index in dimension 1 "
+    "is a multiple of 8 The MLIR operation involved: %1 = vector.load ..."
+)
+
+
+def test_mosaic_message_names_the_kernel():
+    result = tpu_compile.Result(tpu_compile.Request("f", PRODUCTION, "7x", "sparse_fwd", SHAPE), False,
+                                tpu_compile.mosaic_message(MOSAIC_ERROR), 1.0, "")  # fmt: skip
+    assert result.error.startswith("Mosaic failed to compile TPU kernel")
+    assert "E2003" in result.error and "The MLIR operation" not in result.error
+    assert tpu_compile.failed_kernel(result, PRODUCTION) == "sparse_forward"
+
+
+def test_compiled_explain_without_libtpu_names_the_extra(monkeypatch, capsys):
+    monkeypatch.setattr(tpu_compile, "available", lambda: False)
+    argv = ["explain", str(SPEC_PATH), PRODUCTION, "--shape", "1,64,8192,128,2048", "--compiled"]
+    assert cli.main(argv) == 2
+    assert '".[tpu]"' in capsys.readouterr().err
+    assert cli.main(["compile", str(SPEC_PATH), PRODUCTION]) == 2
+
+
+def test_compile_rejects_an_unknown_chip_or_program(capsys):
+    assert cli.main(["compile", str(SPEC_PATH), PRODUCTION, "--chip", "v4"]) == 2
+    assert "unknown chip 'v4'" in capsys.readouterr().err
+    assert cli.main(["compile", str(SPEC_PATH), PRODUCTION, "--programs", "fwd,bwd"]) == 2
+    assert "unknown programs ['bwd']" in capsys.readouterr().err
+
+
+def test_compile_gate_passes_a_variant(capsys):
+    argv = ["compile", str(SPEC_PATH), "tpu_hm_f32_q16_w128_hcall", "--chip", "v5e", "--programs", "fwd"]
+    argv += ["--shape", "1,8,256,128,128"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "ok    v5e  tpu_hm_f32_q16_w128_hcall fwd" in out and "1 compiled, 0 failed" in out
+
+
+def _steps_by_loop(kp, st, t, kinds) -> int:
+    """A call's cycles the slow way: every grid step in turn, the bundles of its own path."""
+    ex = t.extents
+    n_blocks = t.block_w // t.compute_w
+    total = 0
+    for b, i, j, c in np.ndindex(ex["b"], ex["i"], ex["j"], ex["c"]):
+        at = {"b": b, "i": i, "j": j, "c": c}
+        first = all(at[a] == 0 for a in kp.reduced)
+        last = all(at[a] == ex[a] - 1 for a in kp.reduced)
+        row = kinds[b * ex["i"] + i, j * n_blocks : (j + 1) * n_blocks]
+        total += st.bundles([compiled.KINDS[k] for k in row], first, last)
+    return total
+
+
+def test_compiled_schedule_of_the_production_kernels(tmp_path):
+    """One compile (forward and gradient of the production hc16 variant on v6e, and the calibration
+    matmul) read as ``codegen explain --compiled`` reads it."""
+    family = pipeline.load_family(SPEC_PATH)
+    plan = family.plan(PRODUCTION)
+    t = cost.tiling(plan, SHAPE)
+    calibration = compiled.calibration_request(plan, "v6e", SHAPE)
+    requests = [tpu_compile.Request("generated.csa_v4", PRODUCTION, "v6e", p, SHAPE) for p in ("fwd", "grad")]
+    results = list(tpu_compile.compile_many(requests + [calibration], keep=str(tmp_path)))
+    assert all(r.ok for r in results), [r.error for r in results]
+
+    # The calibration matmul is branch-free: only the compiler's wrapper region, nothing in it, so a
+    # call costs its steps times its body.
+    calib = schedule.parse(*results[2].kernels()[tpu_compile.CALIBRATION])
+    assert len(calib.spans) == 1 and not calib.spans[0].children and not calib.loops
+    assert calib.body > 0
+
+    kernels = {**results[0].kernels(), **results[1].kernels()}
+    n_blocks = t.block_w // t.compute_w
+    causal = cost.kind_matrix(t, *cost.causal_bounds(t.shape, family.spec.computation.compress_rate))
+    unmasked = cost.kind_matrix(t)
+    for kp in plan.kernels:
+        sched = schedule.parse(*kernels[f"{PRODUCTION}_{kp.name}"])
+        st = compiled.steps(kp.name, True, sched, n_blocks)  # raises if the branches are not the template's
+        ex = t.extents
+        assert sched.grid_trips == np.prod([ex[a] for a in kp.axes]) + compiled.PIPELINE_ITERATIONS
+        # the shared code plus every region once is the straight-line body
+        regions = st.prologue + st.epilogue + tuple(s for block in st.blocks for s in block)
+        assert st.shared + sum(s.size for s in regions) == sched.body
+        assert st.bundles(["partial"] * n_blocks, True, True) <= sched.body
+        for first, last in ((True, True), (False, False), (True, False), (False, True)):
+            empty, full, partial = (st.bundles([k] * n_blocks, first, last) for k in compiled.KINDS)
+            assert empty < full <= partial <= sched.body
+        # the vectorised count equals a walk over every grid step
+        for kinds in (unmasked, causal):
+            fill_and_drain = compiled._fill_and_drain(sched)
+            assert compiled.call_cycles(kp, st, t, kinds) == _steps_by_loop(kp, st, t, kinds) + fill_and_drain
+        cal = (calib, compiled.CALIBRATION_BLOCK[0] * compiled.CALIBRATION_BLOCK[1])
+        rep = {
+            m: compiled.kernel_report(plan, kp, kp.name, sched, t, k, *cal)
+            for m, k in (("u", unmasked), ("c", causal))
+        }
+        # causal skipping: about half the unmasked cycles (the executed MXU work is 0.53 of it)
+        assert 0.45 < rep["c"].cycles / rep["u"].cycles < 0.65, kp.name
+        # no faster than the plain matmul over the same logits, and the MXU does work on the full path
+        assert rep["u"].cycles > rep["u"].calibration_cycles
+        assert rep["u"].occupancy["MXU"] > 0.2
+
+    # A template whose branches changed without BRANCHES is refused, naming the kernel.
+    sched = schedule.parse(*kernels[f"{PRODUCTION}_dk"])
+    wrong = dataclasses.replace(compiled.BRANCHES[("dk", True)], per_block=(("work", (compiled._PARTIAL,)),))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(compiled.BRANCHES, ("dk", True), wrong)
+        with pytest.raises(compiled.StructureError, match="dk: the step's 10 branch regions hold no run"):
+            compiled.steps("dk", True, sched, n_blocks)
