@@ -1,8 +1,11 @@
 """Expands a spec's variant matrix (plus include, minus exclude) into concrete, named variants.
 
 A variant's name is its parameters in a fixed order, so the same parameters always give the same
-name and file: ``{backend}_{hm|sm}_{dtype}_q{block_q}_w{block_w}_hc{head_chunk|all}`` and a
-``_refbwd`` suffix only when the backward is the reference VJP rather than the fused kernels.
+name and file: ``{backend}_{hm|sm}_{dtype}_q{block_q}_w{block_w}[c{compute_w}]_hc{head_chunk|all}`` and
+a ``_refbwd`` suffix only when the backward is the reference VJP rather than the fused kernels. The
+compute width shows only when it is not ``NAMED_COMPUTE_W`` (one 128-lane vreg), so that every name
+that existed before it was a tiling field still names the same kernel. Two variants with one name are
+an error naming both, never a silent drop.
 """
 
 from __future__ import annotations
@@ -11,10 +14,11 @@ import dataclasses
 import itertools
 
 from codegen.errors import Problem, SpecError
-from codegen.spec import DtypePolicy, FamilySpec
+from codegen.spec import DtypePolicy, FamilySpec, Tiling
 
 _LAYOUT_TAG = {"head_major": "hm", "seq_major": "sm"}
 _AXES = ("backend", "q_layout", "dtype", "tiling", "head_chunk", "backward")
+NAMED_COMPUTE_W = 128  # the compute width a name leaves out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,18 +30,30 @@ class Variant:
     dtype: str
     policy: DtypePolicy
     tiling: str
-    block_q: int
-    block_w: int
-    # Compressed blocks per compute step inside a block_w tile (not in the name: a tiling has one).
-    compute_w: int
+    tiles: Tiling  # the tiling's fields, as ``policy`` holds the dtype policy's
     head_chunk: int
     backward: str
     origin: str  # spec path of the entry that asked for it, for error messages
 
     @property
+    def block_q(self) -> int:
+        return self.tiles.block_q
+
+    @property
+    def block_w(self) -> int:
+        return self.tiles.block_w
+
+    @property
+    def compute_w(self) -> int:
+        """Compressed blocks per compute step inside a block_w tile."""
+        return self.tiles.compute_width
+
+    @property
     def name(self) -> str:
         chunk = f"hc{self.head_chunk}" if self.head_chunk else "hcall"
-        name = f"{self.backend}_{_LAYOUT_TAG[self.q_layout]}_{self.dtype}_q{self.block_q}_w{self.block_w}_{chunk}"
+        compute = f"c{self.compute_w}" if self.compute_w != NAMED_COMPUTE_W else ""
+        tiling = f"q{self.block_q}_w{self.block_w}{compute}"
+        name = f"{self.backend}_{_LAYOUT_TAG[self.q_layout]}_{self.dtype}_{tiling}_{chunk}"
         return name + ("_refbwd" if self.backward == "reference" else "")
 
     @property
@@ -87,14 +103,13 @@ def _resolve(spec: FamilySpec, choice: dict, origin: str, problems: list[Problem
         )
     if policy is None or tiling is None:
         return None
-    return Variant(
-        policy=policy,
-        block_q=tiling.block_q,
-        block_w=tiling.block_w,
-        compute_w=tiling.compute_width,
-        origin=origin,
-        **choice,
-    )
+    return Variant(policy=policy, tiles=tiling, origin=origin, **choice)
+
+
+def _differ(a: Variant, b: Variant) -> str:
+    """What two variants of one name were asked for as, e.g. ``tiling prod and tiling prod2``."""
+    axes = [axis for axis in _AXES if getattr(a, axis) != getattr(b, axis)] or list(_AXES)
+    return " and ".join(", ".join(f"{axis} {getattr(v, axis)}" for axis in axes) for v in (a, b))
 
 
 def _matches(selector: dict, variant: Variant) -> bool:
@@ -108,8 +123,18 @@ def expand(spec: FamilySpec, source: str = "<spec>") -> list[Variant]:
     variants: dict[str, Variant] = {}
     for values in itertools.product(*(getattr(matrix, axis) for axis in _AXES)):
         variant = _resolve(spec, dict(zip(_AXES, values)), "variants.matrix", problems)
-        if variant is not None:
-            variants.setdefault(variant.name, variant)
+        if variant is None:
+            continue
+        twin = variants.setdefault(variant.name, variant)
+        if twin is not variant:
+            problems.append(
+                Problem(
+                    "variants.matrix",
+                    variant.name,
+                    f"two matrix points give this name: {_differ(twin, variant)}; one kernel, named once: "
+                    "give the tilings (or policies) distinct values, or list one",
+                )
+            )
 
     for index, selector in enumerate(spec.variants.exclude):
         wanted = selector.model_dump(exclude_none=True)

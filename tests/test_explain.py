@@ -10,6 +10,7 @@ import pytest
 
 from codegen import cli, cost, load, pipeline, plan
 from codegen.errors import SpecError
+from codegen.spec import Tiling
 from generated.csa_v4 import VARIANTS
 from tests.spec_cases import SPEC_PATH, edited, family
 
@@ -40,7 +41,7 @@ def test_an_over_budget_variant_is_rejected_with_the_numbers():
         _check(edited(edit))
     message = str(info.value)
     assert "tilings.huge = 'block_q=1024, block_w=8192'" in message
-    assert "variant tpu_hm_f32_q1024_w8192_hcall: its forward kernel needs" in message
+    assert "variant tpu_hm_f32_q1024_w8192c8192_hcall: its forward kernel needs" in message
     assert "MiB of VMEM" in message and "v5p 64 MiB" in message and "7x 64 MiB" in message
 
 
@@ -62,7 +63,7 @@ def test_targets_decide_the_budget():
         )
 
     big = plan.build(
-        dataclasses.replace(family().plan(PRODUCTION).variant, block_q=512, block_w=8192, compute_w=8192)
+        dataclasses.replace(family().plan(PRODUCTION).variant, tiles=Tiling(block_q=512, block_w=8192))
     )
     footprint = cost.vmem_footprints(big, num_heads=64, head_dim=128)
     assert 64 * 2**20 < max(footprint.values()) * 1.25 < 128 * 2**20

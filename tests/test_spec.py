@@ -202,6 +202,27 @@ def test_names_are_stable_and_readable():
     assert names == sorted(set(names))
 
 
+def test_a_tiling_that_differs_only_in_compute_w_renders_under_its_own_name():
+    def edit(data):
+        data["tilings"]["prod256"] = {"block_q": 128, "block_w": 1024, "compute_w": 256}
+        data["variants"]["matrix"]["tiling"].append("prod256")
+
+    found = {v.name: v for v in pipeline.build(load.parse(edited(edit), "spec.yaml")).variants}
+    assert found["tpu_hm_bf16_q128_w1024_hc16"].compute_w == 128  # today's names, unchanged
+    assert found["tpu_hm_bf16_q128_w1024c256_hc16"].compute_w == 256
+    assert found["tpu_hm_bf16_q128_w1024c256_hc16"].tiles.compute_w == 256
+
+
+def test_two_variants_of_one_name_are_an_error_naming_both():
+    def edit(data):
+        data["tilings"]["prod2"] = dict(data["tilings"]["prod"])  # the same kernel under another name
+        data["variants"]["matrix"]["tiling"].append("prod2")
+
+    message = _problems(edited(edit))
+    assert "variants.matrix = 'tpu_hm_bf16_q128_w1024_hc16'" in message
+    assert "tiling prod and tiling prod2" in message
+
+
 def test_exclude_then_include():
     def edit(data):
         data["variants"]["exclude"] = [{"tiling": "small"}]
