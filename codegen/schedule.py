@@ -150,7 +150,7 @@ def _tree(spans: list[Span]) -> tuple[Span, ...]:
 
     for span in spans:
         while stack and not stack[-1][0].contains(span):
-            if span.branch < stack[-1][0].stop < span.stop:
+            if stack[-1][0].size and span.branch < stack[-1][0].stop < span.stop:
                 raise ScheduleError(f"branch regions overlap: {stack[-1][0]} and {span}")
             close()
         stack.append((span, []))
