@@ -68,3 +68,19 @@ def test_head_count_the_chunk_does_not_divide(name):
     q, k, weights = support.make_inputs(module.VARIANT, (1, 24, 8, 64, 130), seed=0)
     with pytest.raises(ValueError, match=r"^q has 24 heads, which head_chunk 16 .* does not divide"):
         support.call(module, q, k, weights, interpret=True)
+
+
+@pytest.mark.parametrize("name", ["tpu_hm_bf16_q16_w128_hc16", "tpu_sm_bf16_q16_w128_hc16"])
+def test_q_in_the_other_layout_is_named_as_such(name):
+    module = VARIANTS[name]
+    q, k, weights = _inputs(module.VARIANT)
+    hm = module.VARIANT["q_layout"] == "head_major"
+    with pytest.raises(ValueError, match=r"looks (seq|head)_major, but variant .* is (head|seq)_major") as info:
+        support.call(module, jnp.swapaxes(q, 1, 2), k, weights, interpret=True)
+    assert ("[B, H, S, D]" if hm else "[B, S, H, D]") in str(info.value)
+
+
+def test_an_unknown_variant_name_suggests_close_ones():
+    with pytest.raises(KeyError, match="did you mean tpu_sm_bf16_q128_w1024_hc16"):
+        VARIANTS["tpu_sm_bf16_q128_w1024"]
+    assert "tpu_sm_bf16_q128_w1024_hc16" in VARIANTS and VARIANTS.get("nope") is None

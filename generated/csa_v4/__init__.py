@@ -2,7 +2,7 @@
 # DO NOT EDIT: change the spec or the templates, then run `codegen render specs/csa_v4.yaml`.
 """The ``csa_v4`` kernel family: DeepSeek-V4 CSA StreamIndex (lightning indexer) score, forward and backward.
 
-``VARIANTS`` maps every variant's name to its module. Each module exposes ``VARIANT`` (its resolved
+``VARIANTS`` maps every variant's name to its module (an unknown name's KeyError suggests close ones). Each module exposes ``VARIANT`` (its resolved
 parameters), ``score(q, k, weights, *, kv_start=None, kv_end=None, k_scale=None, softmax_scale=None,
 interpret=False)``, ``tiles(seq_len, num_blocks)`` (a call's effective tiling) and ``prepare`` (the
 kernel-ready operands, with the tile ranges the kernels skip by). ``causal_kv_range`` gives the
@@ -20,7 +20,7 @@ dense (every visible block) or sparse (the selected ones).
 """
 
 from ._runtime import (
-    COMPRESS_RATE, block_kind, causal_kv_range, quantize_fp8_per_token, tile_ranges, topk_indices,
+    COMPRESS_RATE, Variants, block_kind, causal_kv_range, quantize_fp8_per_token, tile_ranges, topk_indices,
 )  # fmt: skip
 
 from . import tpu_hm_bf16_q128_w1024_hc16
@@ -45,26 +45,28 @@ from . import tpu_sm_f32_q16_w128_hc16
 from . import tpu_sm_f32_q16_w128_hcall
 from . import tpu_sm_fp8_q128_w1024_hc16
 
-VARIANTS = {
-    "tpu_hm_bf16_q128_w1024_hc16": tpu_hm_bf16_q128_w1024_hc16,
-    "tpu_hm_bf16_q128_w1024_hcall": tpu_hm_bf16_q128_w1024_hcall,
-    "tpu_hm_bf16_q16_w128_hc16": tpu_hm_bf16_q16_w128_hc16,
-    "tpu_hm_bf16_q16_w128_hcall": tpu_hm_bf16_q16_w128_hcall,
-    "tpu_hm_f32_q128_w1024_hc16": tpu_hm_f32_q128_w1024_hc16,
-    "tpu_hm_f32_q128_w1024_hcall": tpu_hm_f32_q128_w1024_hcall,
-    "tpu_hm_f32_q16_w128_hc16": tpu_hm_f32_q16_w128_hc16,
-    "tpu_hm_f32_q16_w128_hcall": tpu_hm_f32_q16_w128_hcall,
-    "tpu_hm_f32_q16_w128_hcall_refbwd": tpu_hm_f32_q16_w128_hcall_refbwd,
-    "tpu_hm_fp8_q128_w1024_hcall": tpu_hm_fp8_q128_w1024_hcall,
-    "tpu_sm_bf16_q128_w1024_hc16": tpu_sm_bf16_q128_w1024_hc16,
-    "tpu_sm_bf16_q128_w1024_hc16_refbwd": tpu_sm_bf16_q128_w1024_hc16_refbwd,
-    "tpu_sm_bf16_q128_w1024_hcall": tpu_sm_bf16_q128_w1024_hcall,
-    "tpu_sm_bf16_q16_w128_hc16": tpu_sm_bf16_q16_w128_hc16,
-    "tpu_sm_bf16_q16_w128_hcall": tpu_sm_bf16_q16_w128_hcall,
-    "tpu_sm_bf16f32_q128_w1024_hc16": tpu_sm_bf16f32_q128_w1024_hc16,
-    "tpu_sm_f32_q128_w1024_hc16": tpu_sm_f32_q128_w1024_hc16,
-    "tpu_sm_f32_q128_w1024_hcall": tpu_sm_f32_q128_w1024_hcall,
-    "tpu_sm_f32_q16_w128_hc16": tpu_sm_f32_q16_w128_hc16,
-    "tpu_sm_f32_q16_w128_hcall": tpu_sm_f32_q16_w128_hcall,
-    "tpu_sm_fp8_q128_w1024_hc16": tpu_sm_fp8_q128_w1024_hc16,
-}
+VARIANTS = Variants(
+    {
+        "tpu_hm_bf16_q128_w1024_hc16": tpu_hm_bf16_q128_w1024_hc16,
+        "tpu_hm_bf16_q128_w1024_hcall": tpu_hm_bf16_q128_w1024_hcall,
+        "tpu_hm_bf16_q16_w128_hc16": tpu_hm_bf16_q16_w128_hc16,
+        "tpu_hm_bf16_q16_w128_hcall": tpu_hm_bf16_q16_w128_hcall,
+        "tpu_hm_f32_q128_w1024_hc16": tpu_hm_f32_q128_w1024_hc16,
+        "tpu_hm_f32_q128_w1024_hcall": tpu_hm_f32_q128_w1024_hcall,
+        "tpu_hm_f32_q16_w128_hc16": tpu_hm_f32_q16_w128_hc16,
+        "tpu_hm_f32_q16_w128_hcall": tpu_hm_f32_q16_w128_hcall,
+        "tpu_hm_f32_q16_w128_hcall_refbwd": tpu_hm_f32_q16_w128_hcall_refbwd,
+        "tpu_hm_fp8_q128_w1024_hcall": tpu_hm_fp8_q128_w1024_hcall,
+        "tpu_sm_bf16_q128_w1024_hc16": tpu_sm_bf16_q128_w1024_hc16,
+        "tpu_sm_bf16_q128_w1024_hc16_refbwd": tpu_sm_bf16_q128_w1024_hc16_refbwd,
+        "tpu_sm_bf16_q128_w1024_hcall": tpu_sm_bf16_q128_w1024_hcall,
+        "tpu_sm_bf16_q16_w128_hc16": tpu_sm_bf16_q16_w128_hc16,
+        "tpu_sm_bf16_q16_w128_hcall": tpu_sm_bf16_q16_w128_hcall,
+        "tpu_sm_bf16f32_q128_w1024_hc16": tpu_sm_bf16f32_q128_w1024_hc16,
+        "tpu_sm_f32_q128_w1024_hc16": tpu_sm_f32_q128_w1024_hc16,
+        "tpu_sm_f32_q128_w1024_hcall": tpu_sm_f32_q128_w1024_hcall,
+        "tpu_sm_f32_q16_w128_hc16": tpu_sm_f32_q16_w128_hc16,
+        "tpu_sm_f32_q16_w128_hcall": tpu_sm_f32_q16_w128_hcall,
+        "tpu_sm_fp8_q128_w1024_hc16": tpu_sm_fp8_q128_w1024_hc16,
+    }
+)

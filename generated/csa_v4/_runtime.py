@@ -7,6 +7,7 @@ and the family's public helpers. Like the variant modules, it needs only JAX.
 A variant module imports this file as ``from . import _runtime``: copy the two together.
 """
 
+import difflib
 import functools
 import inspect
 import math
@@ -42,6 +43,15 @@ def q_dims(q, q_layout):
     return batch, num_heads, seq_len, head_dim
 
 
+class Variants(dict):
+    """The family's variant modules by name; an unknown name is a KeyError that suggests close ones."""
+
+    def __missing__(self, name):
+        close = difflib.get_close_matches(str(name), self.keys(), n=3)
+        hint = f"did you mean {', '.join(close)}?" if close else f"the {len(self)} names are VARIANTS.keys()"
+        raise KeyError(f"no variant named {name!r}; {hint}")
+
+
 def check_inputs(q, k, weights, variant):
     """Raises ValueError naming the argument whose rank, shape or dtype does not fit ``variant``."""
     q_layout = "[B, H, S, D]" if variant["q_layout"] == "head_major" else "[B, S, H, D]"
@@ -64,6 +74,13 @@ def check_inputs(q, k, weights, variant):
             f"k must be [B={batch}, W>=1, D={head_dim}] to match q {tuple(q.shape)}, got shape {tuple(k.shape)}"
         )
     if tuple(weights.shape) != (batch, seq_len, num_heads):
+        other = "seq_major" if variant["q_layout"] == "head_major" else "head_major"
+        b, h, s, _ = q_dims(q, other)
+        if tuple(weights.shape) == (b, s, h):  # q fits the other layout: say so, not that weights is wrong
+            raise ValueError(
+                f"q {tuple(q.shape)} looks {other}, but variant {variant['name']} is {variant['q_layout']}: it "
+                f"takes q as {q_layout}; transpose q (jnp.swapaxes(q, 1, 2)) or use a {other} variant"
+            )
         raise ValueError(
             f"weights must be [B={batch}, S={seq_len}, H={num_heads}] to match q {tuple(q.shape)}, "
             f"got shape {tuple(weights.shape)}"
