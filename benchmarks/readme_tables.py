@@ -4,7 +4,8 @@ Each table in README.md follows a marker line ``<!-- output of: COMMAND -->`` an
 right after it (or, after ``<!-- markdown output of: COMMAND -->``, the markdown up to
 ``<!-- end of output -->``). ``python benchmarks/readme_tables.py`` reruns every COMMAND from the repository root
 and rewrites its block; ``--check`` writes nothing and exits 1 with a diff when any block has drifted
-(the test suite runs it).
+(the test suite runs it). Tables marked ``<!-- compiled output of: COMMAND -->`` come from the TPU
+compiler and take minutes: only ``--compiled`` reruns them (with ``--check``, it checks them too).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 _TABLE = re.compile(
-    r"(<!-- output of: (?P<command>.+?) -->\n```text\n)(?P<body>.*?)(```)"
+    r"(<!-- (?P<compiled>compiled )?output of: (?P<command>.+?) -->\n```text\n)(?P<body>.*?)(```)"
     # Markdown output (a table GitHub renders) runs up to an end marker instead of a fence.
     r"|(<!-- markdown output of: (?P<md_command>.+?) -->\n)(?P<md_body>.*?)(<!-- end of output -->)",
     re.DOTALL,
@@ -37,13 +38,16 @@ def run(command: str) -> str:
     return result.stdout
 
 
-def rendered(text: str) -> str:
-    """README text with every marked block replaced by its command's output."""
+def rendered(text: str, compiled: bool = False) -> str:
+    """README text with every marked block replaced by its command's output (the compiled ones only
+    with ``compiled``)."""
 
     def block(m):
         if m.group("command") is not None:
-            return m.group(1) + run(m.group("command")) + m.group(4)
-        return m.group(5) + run(m.group("md_command")) + m.group(8)
+            if m.group("compiled") and not compiled:
+                return m.group(0)
+            return m.group(1) + run(m.group("command")) + m.group(5)
+        return m.group(6) + run(m.group("md_command")) + m.group(9)
 
     return _TABLE.sub(block, text)
 
@@ -51,12 +55,13 @@ def rendered(text: str) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 with a diff on drift")
+    parser.add_argument("--compiled", action="store_true", help="also the TPU compiler's tables (minutes)")
     args = parser.parse_args(argv)
     text = README.read_text()
     if not _TABLE.search(text):
         print(f"{README}: no marked tables", file=sys.stderr)
         return 1
-    new = rendered(text)
+    new = rendered(text, args.compiled)
     if args.check:
         diff = "".join(
             difflib.unified_diff(text.splitlines(True), new.splitlines(True), "README.md", "rendered")
