@@ -193,6 +193,26 @@ def test_topk_indices_is_a_stable_sort(top_k):
         assert np.all(np.diff(scores[b, s, picked]) <= 0) and len(set(picked)) == len(picked)
 
 
+def test_indexer_loss_checks_target_before_anything_runs(monkeypatch):
+    module = VARIANTS["tpu_sm_bf16_q128_w1024_hc16"]
+    q, k, weights = support.make_inputs(module.VARIANT, (1, 16, 8, 128, 64), seed=0)
+    indices = jnp.zeros((1, 8, 4), jnp.int32)
+    ran = []
+    monkeypatch.setattr(module, "score", lambda *a, **kw: ran.append("score"))
+    monkeypatch.setattr(module, "sparse_score", lambda *a, **kw: ran.append("sparse_score"))
+    with pytest.raises(ValueError, match=r"target must be \[B, S, top_k\] like indices, \(1, 8, 4\), got \(1, 8, 5\)"):
+        module.indexer_loss(q, k, weights, jnp.zeros((1, 8, 5)), indices=indices)
+    with pytest.raises(ValueError, match=r"target must be \[B, S, W\] like the score, \(1, 8, 64\), got \(1, 8, 4\)"):
+        module.indexer_loss(q, k, weights, jnp.zeros((1, 8, 4)))
+    with pytest.raises(ValueError, match="target must be a float array"):
+        module.indexer_loss(q, k, weights, indices, indices=indices)
+    with pytest.raises(ValueError, match=r"indices must be \[B=1, S=8"):
+        module.indexer_loss(q, k, weights, jnp.zeros((1, 7, 4)), indices=indices[:, :7])
+    with pytest.raises(ValueError, match=r"^weights must be"):
+        module.indexer_loss(q, k, weights[:, :4], jnp.zeros((1, 8, 64)))
+    assert ran == []
+
+
 def test_topk_indices_rejects_bad_arguments():
     scores = jnp.zeros((1, 2, 3))
     assert topk_indices(scores, np.int64(2)).shape == (1, 2, 2)  # a NumPy integer is a static top_k too

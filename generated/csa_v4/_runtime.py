@@ -1209,9 +1209,12 @@ def differentiable_sparse_score(variant, forward, backward, gather_dtypes):
     return sparse_score
 
 
-def indexer_loss(score, sparse_score, q, k, weights, target, *, indices=None, kv_start=None, kv_end=None,
-                 k_scale=None, softmax_scale=None, interpret=False):  # fmt: skip
-    """A variant's ``indexer_loss`` over its ``score`` and ``sparse_score`` (see there)."""
+def indexer_loss(variant, score, sparse_score, q, k, weights, target, *, indices=None, kv_start=None,
+                 kv_end=None, k_scale=None, softmax_scale=None, interpret=False):  # fmt: skip
+    """A variant's ``indexer_loss`` over its ``score`` and ``sparse_score`` (see there). Every input,
+    ``target`` included, is checked before anything is traced."""
+    check_inputs(q, k, weights, variant)
+    batch, _, seq_len, _ = q_dims(q, variant["q_layout"])
     if (
         not hasattr(target, "shape")
         or not hasattr(target, "dtype")
@@ -1220,20 +1223,19 @@ def indexer_loss(score, sparse_score, q, k, weights, target, *, indices=None, kv
         raise ValueError(
             f"target must be a float array, got {getattr(target, 'dtype', type(target).__name__)}"
         )
+    if indices is None:
+        want, like = (batch, seq_len, k.shape[1]), "[B, S, W] like the score"
+    else:
+        indices = check_indices(indices, batch, seq_len)
+        want, like = tuple(indices.shape), "[B, S, top_k] like indices"
+    if tuple(target.shape) != want:
+        raise ValueError(f"target must be {like}, {want}, got {tuple(target.shape)}")
     kwargs = dict(k_scale=k_scale, softmax_scale=softmax_scale, interpret=interpret)
     if indices is None:
         logits = score(q, k, weights, kv_start=kv_start, kv_end=kv_end, **kwargs)
-        if tuple(target.shape) != tuple(logits.shape):
-            raise ValueError(
-                f"target must be [B, S, W] {tuple(logits.shape)} like the score, got {tuple(target.shape)}"
-            )
         in_set = jnp.isfinite(logits)  # the visible blocks
     else:
         logits = sparse_score(q, k, weights, indices, **kwargs)
-        if tuple(target.shape) != tuple(indices.shape):
-            raise ValueError(
-                f"target must be [B, S, top_k] {tuple(indices.shape)} like indices, got {tuple(target.shape)}"
-            )
         in_set = (indices >= 0) & (indices < k.shape[1])
         shape = indices.shape[:2]
         if kv_start is not None:

@@ -619,7 +619,7 @@ def indexer_loss(
     whose target has no mass on its set adds 0 (and is). With no non-empty set the loss is 0, never NaN.
     """
     return _runtime.indexer_loss(
-        score, sparse_score, q, k, weights, target, indices=indices, kv_start=kv_start, kv_end=kv_end,
+        VARIANT, score, sparse_score, q, k, weights, target, indices=indices, kv_start=kv_start, kv_end=kv_end,
         k_scale=k_scale, softmax_scale=softmax_scale, interpret=interpret,
     )  # fmt: skip
 
