@@ -285,6 +285,24 @@ def test_load_balanced_context_parallel_on_an_explicit_mesh(context_problem):
     )
 
 
+def test_eager_gradient_on_the_readmes_explicit_mesh(context_problem):
+    """Eagerly, as the README shows: on jax.make_mesh's Explicit axes, the caller's own eager ops on the
+    sharded scores (its loss) need the mesh set, the one line ``with jax.set_mesh(mesh):``."""
+    diff, bounds, cotangent, (expected_out, expected_grads) = context_problem
+    mesh = jax.make_mesh((2, 4), ("data", "context"))
+    assert set(mesh.axis_types) == {AxisType.Explicit}
+    placed = jax.device_put(cotangent.astype(jnp.float32), NamedSharding(mesh, P("data", "context")))
+
+    def loss(diff):
+        out = BF16.sharded_score(**diff, mesh=mesh, context_axis="context", **bounds, interpret=True)
+        return jnp.sum(jnp.where(jnp.isfinite(out), out.astype(jnp.float32) * placed, 0.0)), out
+
+    with jax.set_mesh(mesh):
+        (_, out), grads = jax.value_and_grad(loss, has_aux=True)(diff)
+    expected = (expected_out, expected_grads)
+    assert_matches("eager, Explicit", BF16, out, grads, expected, diff, bounds, cotangent)
+
+
 def test_data_context_and_heads_with_the_batch_fallback():
     """(2, 2, 2) data x context x heads with B = 1: the batch falls back to replication (one warning),
     S splits over context, H over heads; partial scores are summed in float32, then rounded."""
