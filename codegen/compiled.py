@@ -10,7 +10,8 @@ The same is done for a calibration kernel on the same chip (a plain Pallas matmu
 contraction depth, operand type and output dtype, over as many logits as the call has unmasked), so
 that "x matmul" reads without the chip's clock.
 
-Assumptions: one bundle issues per cycle; DMAs overlap the compute; no stalls. The compiler's own
+Assumptions: one bundle issues per cycle; DMAs overlap the compute; no stalls; one TensorCore runs
+every grid step (on a megacore chip, v5p, the parallel grid axes are split between two). The compiler's own
 branch regions around the template's (its pipeline's bookkeeping, an output window's copy) are
 counted as taken on every step: a small overestimate, stated rather than modelled. The grid loop's
 extra iterations (``PIPELINE_ITERATIONS``) issue the body less its wrapper region.
@@ -195,8 +196,8 @@ class KernelReport:
     straight_line: int  # the grid-step body, every region counted as taken and every loop once
     executed: int  # bundles a step issues: on the full path (dense), every loop trip counted (sparse)
     paths: dict[str, int]  # a step every compute block of which is empty / full / partial (dense)
-    occupancy: dict[str, float]  # of the bundles ``executed`` counts
-    spill_stores: int  # the same
+    occupancy: dict[str, float]  # of the full path (dense), of the straight-line body (sparse)
+    spill_stores: int  # of the same bundles
     loops: tuple[tuple[int, int], ...]  # loops inside a step: (bundles, trips)
     steps: int  # grid steps of the call
     cycles: int  # of the call at its shape and mask

@@ -191,14 +191,13 @@ def parse(bundles_path: str, utilization_path: str) -> Schedule:
         for region in _STARTS.findall(line):
             starts.setdefault(region, n)
     loop = next((n for n, (mark, _) in enumerate(lines) if mark == "LB"), None)
-    branches = []
+    branches, exits = [], []
     for n, (_, line) in enumerate(lines):
         for predicate, region in _BRANCH.findall(line):
-            if region not in starts:
-                raise ScheduleError(
-                    f"{bundles_path}: branch at bundle {n} to region {region}, which never starts"
-                )
-            branches.append((n, starts[region], predicate))
+            if region in starts:
+                branches.append((n, starts[region], predicate))
+            else:  # to the kernel's end (v5p: the other core of a megacore skips a core's work)
+                exits.append(n)
     if loop is None:
         raise ScheduleError(f"{bundles_path}: no loop (LB) marker: not a gridded kernel")
     back = [n for n, target, _ in branches if target == loop]
@@ -206,6 +205,8 @@ def parse(bundles_path: str, utilization_path: str) -> Schedule:
         raise ScheduleError(f"{bundles_path}: no branch back to the grid loop's first bundle {loop}")
     delay = _delay_slots(lines, [n for n, _, _ in branches if n >= loop], bundles_path)
     body_stop = max(back) + delay + 1
+    if any(loop <= n < body_stop for n in exits):
+        raise ScheduleError(f"{bundles_path}: a branch inside the grid-step body leaves the kernel")
     forward = [
         Span(n, n + delay + 1, max(target, n + delay + 1), p)
         for n, target, p in branches
