@@ -61,7 +61,8 @@ class Branches:
 
 
 _PARTIAL = ("partial", ())
-# From the templates (templates/tpu/forward.py.j2, backward.py.j2) and _runtime's mask_partial, accumulate.
+# From the templates (templates/tpu/forward.py.j2, backward.py.j2; _runtime.mask_partial, accumulate),
+# in the order the compiler lays the regions out (an if/else may come else-first).
 BRANCHES = {
     # all heads in a step: the empty block's masked store, else the scores (their mask if partial)
     ("forward", False): Branches(per_block=(("empty", ()), ("work", (_PARTIAL,)))),

@@ -20,3 +20,25 @@ from generated.csa_v4 import VARIANTS  # noqa: E402
 def module(request):
     """Each generated variant module in turn: a test taking it runs once per variant (id: its name)."""
     return VARIANTS[request.param]
+
+
+def _one_per(keys):
+    """The first variant (by name) of each distinct value of ``keys`` in its VARIANT."""
+    chosen = {}
+    for name in sorted(VARIANTS):
+        chosen.setdefault(tuple(VARIANTS[name].VARIANT[k] for k in keys), name)
+    return sorted(chosen.values())
+
+
+@pytest.fixture(params=_one_per(("q_layout", "q_dtype", "weights_dtype", "out_dtype", "k_scale")))
+def layout_module(request):
+    """One variant module per layout and dtype policy, for what the shared runtime does the same for
+    every tiling, head chunk and backward (the checks of a call, say)."""
+    return VARIANTS[request.param]
+
+
+@pytest.fixture(params=_one_per(("q_layout", "q_dtype", "weights_dtype", "out_dtype", "k_scale", "backward")))
+def sparse_module(request):
+    """One variant module per layout, dtype policy and backward: what the sparse kernels depend on
+    (they use none of a variant's tiling or head chunk)."""
+    return VARIANTS[request.param]

@@ -52,8 +52,8 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_bad_call_raises_value_error_naming_the_argument(module, case):
-    name = module.VARIANT["name"]
+def test_bad_call_raises_value_error_naming_the_argument(layout_module, case):
+    module = layout_module
     (q, k, weights), (override, pattern) = _case(module.VARIANT, case)
     args = dict(q=q, k=k, weights=weights)
     kwargs = {key: override.pop(key) for key in list(override) if key == "softmax_scale"}
@@ -75,7 +75,9 @@ def test_q_in_the_other_layout_is_named_as_such(name):
     module = VARIANTS[name]
     q, k, weights = _inputs(module.VARIANT)
     hm = module.VARIANT["q_layout"] == "head_major"
-    with pytest.raises(ValueError, match=r"looks (seq|head)_major, but variant .* is (head|seq)_major") as info:
+    with pytest.raises(
+        ValueError, match=r"looks (seq|head)_major, but variant .* is (head|seq)_major"
+    ) as info:
         support.call(module, jnp.swapaxes(q, 1, 2), k, weights, interpret=True)
     assert ("[B, H, S, D]" if hm else "[B, S, H, D]") in str(info.value)
 

@@ -53,7 +53,8 @@ def _gathered(dense, indices):
     )
 
 
-def test_sparse_score_and_its_gradients_match_the_reference_gathered(module):
+def test_sparse_score_and_its_gradients_match_the_reference_gathered(sparse_module):
+    module = sparse_module
     variant = module.VARIANT
     batch, heads, seq_len, head_dim, num_blocks = SHAPE
     q, k, weights = support.make_inputs(variant, SHAPE, seed=1)
@@ -130,9 +131,10 @@ def _lowered_loss(module, shape, top_k):
     return support.lower_for_tpu(jax.value_and_grad(losses, argnums=(0, 1, 2)), q, k, weights)
 
 
-def test_sparse_score_and_indexer_loss_lower_for_tpu(module):
+def test_sparse_score_and_indexer_loss_lower_for_tpu(sparse_module):
     """The sparse kernels (forward and backward, inside the gradient of both losses) pass Mosaic's TPU
-    lowering at a realistic top_k. Lowering on a CPU; nothing here has run on a TPU."""
+    lowering at a realistic top_k (CI's compile gate compiles them with libtpu too)."""
+    module = sparse_module
     text = _lowered_loss(module, (1, 16, 16, 128, 300), 128)
     name = module.VARIANT["name"]
     for kernel in ("sparse_forward", "sparse_backward", "forward", "dq_dweights", "dk"):
@@ -200,9 +202,13 @@ def test_indexer_loss_checks_target_before_anything_runs(monkeypatch):
     ran = []
     monkeypatch.setattr(module, "score", lambda *a, **kw: ran.append("score"))
     monkeypatch.setattr(module, "sparse_score", lambda *a, **kw: ran.append("sparse_score"))
-    with pytest.raises(ValueError, match=r"target must be \[B, S, top_k\] like indices, \(1, 8, 4\), got \(1, 8, 5\)"):
+    with pytest.raises(
+        ValueError, match=r"target must be \[B, S, top_k\] like indices, \(1, 8, 4\), got \(1, 8, 5\)"
+    ):
         module.indexer_loss(q, k, weights, jnp.zeros((1, 8, 5)), indices=indices)
-    with pytest.raises(ValueError, match=r"target must be \[B, S, W\] like the score, \(1, 8, 64\), got \(1, 8, 4\)"):
+    with pytest.raises(
+        ValueError, match=r"target must be \[B, S, W\] like the score, \(1, 8, 64\), got \(1, 8, 4\)"
+    ):
         module.indexer_loss(q, k, weights, jnp.zeros((1, 8, 4)))
     with pytest.raises(ValueError, match="target must be a float array"):
         module.indexer_loss(q, k, weights, indices, indices=indices)
