@@ -119,9 +119,13 @@ def test_no_upper_bounds_but_jax_and_black():
         if any(s.operator in ("<", "<=", "==", "~=") for s in requirement.specifier)
     }
     assert bounded == {"jax", "jaxlib", "black"}
-    tests = {Requirement(r).name for r in _project()["optional-dependencies"]["test"]}
-    assert tests == {"pytest", "pytest-xdist"}
-    assert not tests & set(_requirements())
+    extras = _project()["optional-dependencies"]
+    tests = {Requirement(r).name for r in extras["test"]}
+    assert tests == {"pytest", "pytest-xdist", "csa-codegen"}  # the last: this project's tpu extra
+    assert Requirement(next(r for r in extras["test"] if r.startswith("csa-codegen"))).extras == {"tpu"}
+    # libtpu comes pinned by the installed JAX's own tpu extra, never by a version of ours
+    assert [Requirement(r) for r in extras["tpu"]] == [Requirement("jax[tpu]")]
+    assert not (tests - {"csa-codegen"}) & set(_requirements())
 
 
 def test_generated_kernels_need_only_jax():
