@@ -151,6 +151,24 @@ def _require_compiler() -> None:
         raise UsageError(f"--compiled and `codegen compile` need {tpu_compile.MISSING}")
 
 
+def _tpu_chips(text: str) -> list[str]:
+    """Comma-separated chips the TPU compiler targets; UsageError naming one it does not."""
+    names = text.split(",")
+    for name in names:
+        if name not in tpu_compile.TOPOLOGIES:
+            raise UsageError(f"unknown chip {name!r}: one of {', '.join(tpu_compile.TOPOLOGIES)}")
+    return names
+
+
+def _programs(text: str) -> list[str]:
+    """Comma-separated programs to compile; UsageError naming those that are not."""
+    programs = text.split(",")
+    unknown = sorted(set(programs) - set(tpu_compile.PROGRAMS))
+    if unknown:
+        raise UsageError(f"unknown programs {unknown}: choose from {', '.join(tpu_compile.PROGRAMS)}")
+    return programs
+
+
 def _family_package(family: pipeline.Family) -> str:
     return f"generated.{family.spec.family}"
 
@@ -162,11 +180,9 @@ def _explain(args: argparse.Namespace) -> int:
     rate = family.spec.computation.compress_rate
     if args.compiled:
         _require_compiler()
-        if chip.name not in tpu_compile.TOPOLOGIES:
-            raise UsageError(f"--compiled compiles for a TPU: one of {', '.join(tpu_compile.TOPOLOGIES)}")
         rows = compiled.explain(
-            _family_package(family), chosen, [chip.name], args.shape, rate,
-            masks=("causal" if args.causal else "unmasked",), programs=args.programs.split(","), jobs=args.jobs,
+            _family_package(family), chosen, _tpu_chips(chip.name), args.shape, rate,
+            masks=("causal" if args.causal else "unmasked",), programs=_programs(args.programs), jobs=args.jobs,
         )  # fmt: skip
         if args.json:
             print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
@@ -185,15 +201,9 @@ def _compile(args: argparse.Namespace) -> int:
     """The compile gate: every program of every chosen variant through libtpu; exit 1 on any failure."""
     _require_compiler()
     family = load_family(args.spec, default_out(args.spec))
-    targets = args.chip.split(",")
-    for name in targets:
-        if name not in tpu_compile.TOPOLOGIES:
-            raise UsageError(f"unknown chip {name!r}: one of {', '.join(tpu_compile.TOPOLOGIES)}")
+    targets = _tpu_chips(args.chip)
     chosen = _chosen(args, family, _chip(targets[0]))
-    programs = args.programs.split(",")
-    unknown = sorted(set(programs) - set(tpu_compile.PROGRAMS))
-    if unknown:
-        raise UsageError(f"unknown programs {unknown}: choose from {', '.join(tpu_compile.PROGRAMS)}")
+    programs = _programs(args.programs)
     requests, skipped = [], []
     for p in chosen:
         unrolled = (p.head_chunk or args.shape[1]) * (p.block_w // p.compute_w)
