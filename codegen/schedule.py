@@ -81,7 +81,6 @@ class Schedule:
     loops: tuple[Loop, ...]  # loops inside the body, outermost ones only
     capacity: tuple[int, ...]
     utilization: tuple[tuple[int, ...], ...]  # per bundle
-    text: tuple[str, ...]  # per bundle
 
     @property
     def body(self) -> int:
@@ -102,11 +101,6 @@ class Schedule:
     def issued(self, skipped: set[int] = frozenset()) -> list[int]:
         """The body's bundles a step issues when ``skipped`` are not."""
         return [b for b in range(self.body_start, self.body_stop) if b not in skipped]
-
-    def count(self, pattern: str, skipped: set[int] = frozenset()) -> int:
-        """Occurrences of the regex ``pattern`` in the body's issued bundles."""
-        rx = re.compile(pattern)
-        return sum(len(rx.findall(self.text[b])) for b in self.issued(skipped))
 
     def occupancy(self, skipped: set[int] = frozenset()) -> dict[str, float]:
         """Per unit, the share of its slots the body's issued bundles fill."""
@@ -233,5 +227,4 @@ def parse(bundles_path: str, utilization_path: str) -> Schedule:
         loops=tuple(sorted(loops, key=lambda loop_: loop_.start)),
         capacity=capacity,
         utilization=rows,
-        text=tuple(line for _, line in lines),
     )
