@@ -64,11 +64,19 @@ class Tiling(StrictModel):
     compressed blocks at a time (as ``flash_attention.py`` separates ``block_k_major`` from
     ``block_k``), and a compute block that no query of the tile may see does no work at all. Big
     transfers, fine-grained skipping. None: one compute block per tile.
+
+    A variant's name shows the tiling as ``q{block_q}_w{block_w}`` followed by each further field that
+    declares a ``name_tag``, as tag and value, unless the value is its ``name_omits`` (so that names
+    that existed before a field did still name the same kernel). Every field reaches the generated
+    modules in ``VARIANT`` (``resolved``): a new one is declared here and read where it is used.
     """
 
     block_q: Annotated[int, Field(ge=1)]
     block_w: Annotated[int, Field(ge=1)]
-    compute_w: Annotated[int, Field(ge=1)] | None = None
+    # one 128-lane vreg of compressed blocks per compute step is what names leave out
+    compute_w: Annotated[int, Field(ge=1, json_schema_extra={"name_tag": "c", "name_omits": 128})] | None = (
+        None
+    )
 
     @field_validator("compute_w")
     @classmethod
@@ -83,6 +91,20 @@ class Tiling(StrictModel):
     @property
     def compute_width(self) -> int:
         return self.compute_w or self.block_w
+
+    def resolved(self) -> dict:
+        """Every field with its default filled in, as ``VARIANT`` holds them."""
+        return {**self.model_dump(), "compute_w": self.compute_width}
+
+    def name_part(self) -> str:
+        """How a variant name shows this tiling (see the class docstring)."""
+        resolved = self.resolved()
+        part = f"q{self.block_q}_w{self.block_w}"
+        for field, info in type(self).model_fields.items():
+            extra = info.json_schema_extra or {}
+            if "name_tag" in extra and resolved[field] != extra.get("name_omits"):
+                part += f"{extra['name_tag']}{resolved[field]}"
+        return part
 
 
 class DtypePolicy(StrictModel):

@@ -3,8 +3,9 @@
 A variant's name is its parameters in a fixed order, so the same parameters always give the same
 name and file: ``{backend}_{hm|sm}_{dtype}_q{block_q}_w{block_w}[c{compute_w}]_hc{head_chunk|all}`` and
 a ``_refbwd`` suffix only when the backward is the reference VJP rather than the fused kernels. The
-compute width shows only when it is not ``NAMED_COMPUTE_W`` (one 128-lane vreg), so that every name
-that existed before it was a tiling field still names the same kernel. Two variants with one name are
+compute width (and any further tiling field that declares a name tag) shows only when it is not the
+value names leave out (``Tiling.name_part``), so that every name that existed before it was a tiling
+field still names the same kernel. Two variants with one name are
 an error naming both, never a silent drop.
 """
 
@@ -18,7 +19,6 @@ from codegen.spec import DtypePolicy, FamilySpec, Tiling
 
 _LAYOUT_TAG = {"head_major": "hm", "seq_major": "sm"}
 _AXES = ("backend", "q_layout", "dtype", "tiling", "head_chunk", "backward")
-NAMED_COMPUTE_W = 128  # the compute width a name leaves out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,9 +51,7 @@ class Variant:
     @property
     def name(self) -> str:
         chunk = f"hc{self.head_chunk}" if self.head_chunk else "hcall"
-        compute = f"c{self.compute_w}" if self.compute_w != NAMED_COMPUTE_W else ""
-        tiling = f"q{self.block_q}_w{self.block_w}{compute}"
-        name = f"{self.backend}_{_LAYOUT_TAG[self.q_layout]}_{self.dtype}_{tiling}_{chunk}"
+        name = f"{self.backend}_{_LAYOUT_TAG[self.q_layout]}_{self.dtype}_{self.tiles.name_part()}_{chunk}"
         return name + ("_refbwd" if self.backward == "reference" else "")
 
     @property
@@ -78,9 +76,7 @@ class Variant:
             "k_scale": self.policy.k_scale,
             "matmul_precision": self.policy.precision,
             "qk_grad_dtype": self.policy.qk_grad_dtype,
-            "block_q": self.block_q,
-            "block_w": self.block_w,
-            "compute_w": self.compute_w,
+            **self.tiles.resolved(),
             "head_chunk": self.head_chunk,
             "backward": self.backward,
         }
