@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from codegen import chips, cost
 from codegen.hlo_audit import analyse
 from codegen.pipeline import load_family
-from generated.csa_v4 import VARIANTS, _runtime
+from generated.csa_v4 import VARIANTS, _geometry
 
 SHAPES = ((8192, 2048, 512), (65536, 16384, 1024))  # S, W, top_k
 HEADS, HEAD_DIM, BATCH = 64, 128, 1
@@ -85,19 +85,24 @@ def dense_rows(module, seq_len, num_blocks):
 
 
 def sparse_rows(module, seq_len, num_blocks, top_k):
-    """The same of the sparse gradient's two kernels, from their blocking (see templates/tpu/sparse.py.j2)."""
+    """The same of the sparse gradient's two kernels, from their blocking (see the variant's ``_sparse`` module)."""
     variant = module.VARIANT
-    seq_pad = _runtime.round_up(seq_len, _runtime.SPARSE_BLOCK_Q)
-    steps = BATCH * seq_pad // _runtime.SPARSE_BLOCK_Q
+    seq_pad = _geometry.round_up(seq_len, _geometry.SPARSE_BLOCK_Q)
+    steps = BATCH * seq_pad // _geometry.SPARSE_BLOCK_Q
     rows = []
     for kernel, dtype in (
-        ("sparse_forward", module.SPARSE_GATHER_DTYPE),
-        ("sparse_backward", module.SPARSE_BACKWARD_GATHER_DTYPE),
+        ("sparse_forward", module._sparse.SPARSE_GATHER_DTYPE),
+        ("sparse_backward", module._sparse.SPARSE_BACKWARD_GATHER_DTYPE),
     ):
-        top_k_pad = _runtime.sparse_top_k_pad(top_k, dtype)
+        top_k_pad = _geometry.sparse_top_k_pad(top_k, dtype)
         slots = BATCH * seq_pad * top_k_pad
         phase = kernel.removeprefix("sparse_")
-        flops = 2 * slots * HEADS * (module.SPARSE_WORK[phase] * HEAD_DIM + module.SPARSE_ROW_DOTS[phase])
+        flops = (
+            2
+            * slots
+            * HEADS
+            * (module._sparse.SPARSE_WORK[phase] * HEAD_DIM + module._sparse.SPARSE_ROW_DOTS[phase])
+        )
         q_bytes = seq_pad * HEADS * HEAD_DIM * jnp.dtype(variant["q_dtype"]).itemsize
         k_bytes = BATCH * num_blocks * HEAD_DIM * jnp.dtype(variant["k_dtype"]).itemsize
         per_query = slots * 4 + BATCH * seq_pad * HEADS * 4  # indices, weights (float32)

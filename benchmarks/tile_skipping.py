@@ -1,8 +1,8 @@
 """The work the kernels skip for causal CSA: DMA tiles, and compute blocks inside them.
 
 Counted by the cost model ``codegen explain --causal`` uses (``codegen.cost.causal_kinds``), which
-classifies every (q block, compute block) pair with the kernels' own rule (``codegen/masks.py``, the
-source of ``_runtime.py``'s copy) on the causal ranges: empty (no matmul, no elementwise op), full
+classifies every (q block, compute block) pair with the kernels' own rule (``codegen/shipped/_geometry.py``, the
+source of ``_geometry.py`` in every family package) on the causal ranges: empty (no matmul, no elementwise op), full
 (work, no mask) or partial (work, masked); a DMA tile with no work is never fetched. MXU work is
 proportional to the pairs with work, in every kernel alike.
 

@@ -9,11 +9,11 @@ variant is rejected with the numbers.
 
 from __future__ import annotations
 
-from codegen import chips, cost, plan, tiles
+from codegen import chips, cost, plan
 from codegen.errors import Problem
 from codegen.spec import FamilySpec
+from codegen.shipped import _geometry as geometry
 
-HEADROOM = 1.25
 # Chips whose vreg tiles hold 16-bit rows in 16s and 8-bit rows in 32s (earlier chips tile 16-bit
 # rows in 8s too): there a block of another row count is legal but costs a relayout.
 PACKED_ROW_CHIPS = ("v6e", "7x")
@@ -30,22 +30,19 @@ def apply(spec: FamilySpec, p: plan.VariantPlan) -> tuple[plan.VariantPlan, list
     chosen = targets(spec, variant.backend)
     footprints = cost.vmem_footprints(p, spec.model.num_heads, spec.model.head_dim)
     default = min(chip.scoped_vmem_default_bytes for chip in chosen)
-    limits = {
-        kernel: None if need <= default else tiles.round_up(int(need * HEADROOM), tiles.MIB)
-        for kernel, need in footprints.items()
-    }
+    limits = {kernel: geometry.vmem_limit(need, default) for kernel, need in footprints.items()}
     errors, warnings = [], []
     for kernel, limit in limits.items():
         need = limit or footprints[kernel]
         short = [chip for chip in chosen if chip.vmem_bytes < need]
         if short:
-            have = ", ".join(f"{chip.name} {chip.vmem_bytes / tiles.MIB:.0f} MiB" for chip in short)
+            have = ", ".join(f"{chip.name} {chip.vmem_bytes / geometry.MIB:.0f} MiB" for chip in short)
             errors.append(
                 Problem(
                     f"tilings.{variant.tiling}",
                     f"block_q={variant.block_q}, block_w={variant.block_w}",
-                    f"variant {variant.name}: its {kernel} kernel needs {footprints[kernel] / tiles.MIB:.1f} MiB "
-                    f"of VMEM ({need / tiles.MIB:.0f} MiB with headroom) at {spec.model.num_heads} heads x "
+                    f"variant {variant.name}: its {kernel} kernel needs {footprints[kernel] / geometry.MIB:.1f} MiB "
+                    f"of VMEM ({need / geometry.MIB:.0f} MiB with headroom) at {spec.model.num_heads} heads x "
                     f"{spec.model.head_dim}, more than {have}; use smaller blocks or a head_chunk",
                 )
             )
@@ -53,8 +50,8 @@ def apply(spec: FamilySpec, p: plan.VariantPlan) -> tuple[plan.VariantPlan, list
     for dtype in dict.fromkeys(
         (variant.policy.qk, variant.policy.weights, variant.policy.out)
     ):  # stable order
-        rows = tiles.sublanes(dtype)
-        if rows > tiles.MIN_SUBLANES and late and variant.block_q % rows:
+        rows = geometry.sublanes(dtype)
+        if rows > geometry.MIN_SUBLANES and late and variant.block_q % rows:
             warnings.append(
                 Problem(
                     f"tilings.{variant.tiling}.block_q",

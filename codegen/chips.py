@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from codegen.tiles import KIB, MIB
+from codegen.shipped._geometry import KIB, MIB
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,7 @@ Everything is read off the kernel plan (``codegen.plan``): the grid, each block'
 its index follows, scratch and temporaries, and the work model. Without visibility bounds every
 compute block is assumed to do work, unmasked (as the kernels' ``pl.CostEstimate`` says); with them
 (``block_kinds``), each (q block, compute block) is classified by the kernels' own rule
-(``codegen.masks``) and only what the kernels execute is counted: no work for an empty block, the
+(``codegen/shipped/_geometry.py``) and only what the kernels execute is counted: no work for an empty block, the
 mask for a partial one, and no DMA for a skipped tile. The scalar-prefetched ranges (six int32 per q
 block, two per w tile, in SMEM) are left out.
 """
@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from codegen import masks, tiles
 from codegen.plan import Block, KernelPlan, VariantPlan
+from codegen.shipped import _geometry as geometry
 
 if TYPE_CHECKING:
     from codegen.chips import Chip
@@ -75,16 +75,17 @@ def tiling(plan: VariantPlan, shape: tuple[int, int, int, int, int]) -> Tiling:
     heads = plan.head_chunk or p.num_heads
     if p.num_heads % heads:
         raise ValueError(f"head_chunk {heads} does not divide num_heads {p.num_heads}")
-    block_q = min(plan.block_q, tiles.round_up(p.seq_len, plan.sublanes))
-    block_w = min(plan.block_w, tiles.round_up(p.num_blocks, plan.compute_w))
+    block_q, block_w = geometry.tiles(
+        p.seq_len, p.num_blocks, plan.block_q, plan.block_w, plan.compute_w, plan.sublanes
+    )
     return Tiling(
         p,
         block_q,
         block_w,
         plan.compute_w,
         heads,
-        tiles.round_up(p.seq_len, block_q),
-        tiles.round_up(p.num_blocks, block_w),
+        geometry.round_up(p.seq_len, block_q),
+        geometry.round_up(p.num_blocks, block_w),
     )
 
 
@@ -129,10 +130,11 @@ def kind_matrix(t: Tiling, kv_start=None, kv_end=None) -> np.ndarray:
         return np.pad(bound, ((0, 0), (0, t.seq_pad - p.seq_len)))
 
     bounds = [
-        np.asarray(b)[:, None] for b in masks.query_block_bounds(padded(kv_start), padded(kv_end), t.block_q)
+        np.asarray(b)[:, None]
+        for b in geometry.query_block_bounds(padded(kv_start), padded(kv_end), t.block_q)
     ]
     lo = np.arange(0, t.blocks_pad, t.compute_w, dtype=np.int32)[None]
-    empty, full = (np.asarray(x) for x in masks.block_kind(*bounds, lo, lo + t.compute_w))
+    empty, full = (np.asarray(x) for x in geometry.block_kind(*bounds, lo, lo + t.compute_w))
     return np.where(empty, 0, np.where(full, 1, 2)).astype(np.int8)
 
 
@@ -165,19 +167,10 @@ def causal_kinds(t: Tiling, compress_rate: int) -> BlockKinds:
 def padded_bytes(shape: tuple[int, ...], nbytes: int) -> int:
     """VMEM bytes of a block: last dim padded to 128 lanes, the one before to the dtype's row granule."""
     *lead, rows, cols = shape
-    rows, cols = tiles.round_up(rows, tiles.SUBLANES_BY_ITEMSIZE[nbytes]), tiles.round_up(cols, tiles.LANES)
+    rows, cols = geometry.round_up(rows, geometry.SUBLANES_BY_ITEMSIZE[nbytes]), geometry.round_up(
+        cols, geometry.LANES
+    )
     return math.prod(lead) * rows * cols * nbytes
-
-
-def block_fetches(grid: tuple[int, ...], axes: tuple[int, ...]) -> int:
-    """DMAs of a block whose index follows grid ``axes``, in a row-major walk that re-fetches only on change.
-
-    A step changes the block index iff it moves one of ``axes``; the last step that does is the one that
-    moves the innermost such axis m of size > 1, so the index changes at every step of the grid cut after
-    m: prod(grid[:m + 1]) fetches (1 when no axis moves). Outputs are written back as often.
-    """
-    moving = [a for a in axes if grid[a] > 1]
-    return math.prod(grid[: max(moving) + 1]) if moving else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,13 +246,15 @@ def kernel_cost(
     t = tiling(plan, shape)
     p = t.shape
     grid = tuple(t.extents[a] for a in kernel.axes)
-    blocks = {b.name: (t.dims(b.shape), tiles.itemsize(b.dtype)) for b in kernel.blocks}
+    blocks = {b.name: (t.dims(b.shape), geometry.itemsize(b.dtype)) for b in kernel.blocks}
     fetches = {
-        b.name: block_fetches(grid, tuple(kernel.axes.index(a) for a in b.follows if a in kernel.axes))
+        b.name: geometry.block_fetches(
+            grid, tuple(kernel.axes.index(a) for a in b.follows if a in kernel.axes)
+        )
         for b in kernel.blocks
     }
     single: list[tuple[tuple[int, ...], int]] = [
-        (t.dims(s.shape), tiles.itemsize(s.dtype)) for s in kernel.scratch + kernel.temporaries
+        (t.dims(s.shape), geometry.itemsize(s.dtype)) for s in kernel.scratch + kernel.temporaries
     ]
     kinds = kinds or unmasked_kinds(t)
     pair_entries = t.block_q * t.compute_w  # (query, compressed block) entries of one pair

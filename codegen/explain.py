@@ -4,7 +4,7 @@ Per kernel: grid, block shapes, VMEM footprint against the limit it compiles wit
 (re-fetches counted as the Pallas pipeline does them) against the minimum, MXU FLOPs and elementwise
 (VPU) operations, arithmetic intensity and the roofline time (``cost.KernelCost``'s one model). With
 ``causal``, every (q block, compute block) is classified by the kernels' own rule on the causal
-ranges (``codegen.masks``): empty blocks do no MXU or VPU work, full ones no masking, partial ones
+ranges (``codegen/shipped/_geometry.py``): empty blocks do no MXU or VPU work, full ones no masking, partial ones
 mask; tiles with no work fetch nothing for the operands the plan holds still on a skipped step.
 """
 
@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from codegen import chips, cost, tiles
+from codegen import chips, cost
 from codegen.plan import VariantPlan
+from codegen.shipped import _geometry as geometry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +81,8 @@ def table(rows: list[Row], chip: chips.Chip, shape, causal: bool, blocks: bool =
             r.variant,
             r.kernel,
             "x".join(map(str, r.grid)),
-            f"{r.vmem_bytes / tiles.MIB:.1f} / {r.vmem_limit_bytes / tiles.MIB:.0f}",
-            f"{r.hbm_bytes / tiles.MIB:,.1f}",
+            f"{r.vmem_bytes / geometry.MIB:.1f} / {r.vmem_limit_bytes / geometry.MIB:.0f}",
+            f"{r.hbm_bytes / geometry.MIB:,.1f}",
             f"{r.hbm_bytes / r.min_hbm_bytes:.2f}",
             f"{r.mxu_flops / 1e9:,.1f}",
             f"{r.vpu_ops / 1e9:,.1f}",

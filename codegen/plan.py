@@ -13,16 +13,16 @@ None (a squeezed dimension).
 
 A grid step's blocks are one DMA's worth (``block_q x block_w``); inside it every kernel steps
 through ``block_w // compute_w`` compute blocks, each classified from four int32 of its q block
-(``codegen.masks``) as empty (no work), full (no mask) or partial (masked).
+(``codegen/shipped/_geometry.py``) as empty (no work), full (no mask) or partial (masked).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from codegen import tiles
 from codegen.spec import FP8
 from codegen.variants import Variant
+from codegen.shipped import _geometry as geometry
 
 PARALLEL, ARBITRARY = "parallel", "arbitrary"
 AXES = "bcij"  # every block index is written over these: batch, head chunk, q block, w block
@@ -43,6 +43,12 @@ class Block:
     shape: tuple[Dim, ...]
     index: tuple[str | int, ...]  # per array dimension: the grid axis it follows, or a fixed block 0
     dtype: str
+    # An output's whole array: its shape (symbols of the prepared operands ``x``, or the name of the
+    # operand it mirrors), the variant dtype it takes ("out": the call's), and the input whose gradient
+    # it is (float32 where that input arrived upcast; see _runtime.grad_dtype).
+    array: tuple[str, ...] | str = ()
+    dtype_key: str = ""
+    grad_of: str = ""
 
     @property
     def follows(self) -> str:
@@ -133,6 +139,8 @@ class VariantPlan:
     head_chunk: int  # 0: all heads in one grid step
     sublanes: int  # row granule of a shrunk q block: the narrowest dtype of q, weights and output
     mxu_itemsize: int  # the type the MXU multiplies in: 4 only for float32 at highest precision
+    mxu_operand: str  # the dtype q and k meet the MXU in: float8 is upcast to bfloat16 in VMEM (exact)
+    grad_matmul: str  # "split": float32 dlogits as a head and a tail of the MXU type (two passes); "plain"
     kernels: tuple[KernelPlan, ...]
 
     @property
@@ -141,6 +149,19 @@ class VariantPlan:
 
     def kernel(self, name: str) -> KernelPlan:
         return next(k for k in self.kernels if k.name == name)
+
+    @property
+    def dense_module(self) -> str:
+        """The generated module whose dense kernels this variant runs: one per kernel shape (q layout,
+        head chunking, float8 upcast, key scale), shared by every tiling and dtype of that shape,
+        which the variant passes in as its ``_runtime.Config``."""
+        v, policy = self.variant, self.variant.policy
+        upcast = self.mxu_operand != policy.qk
+        name = f"_dense_{'hm' if v.head_major else 'sm'}_{'hc' if v.head_chunk else 'hcall'}"
+        name += "_fp8" if upcast else ""
+        if policy.k_scale != upcast:
+            name += "_kscale" if policy.k_scale else "_noscale"
+        return name
 
     @property
     def blocks(self) -> dict[str, Block]:
@@ -177,12 +198,18 @@ def _blocks(variant: Variant) -> dict[str, Block]:
         "weights_t": weights_t,
         "kv_bounds_t": kv_bounds_t,
         "k_scale_t": k_scale_t,
-        "out": Block("out", *tile, policy.out),
+        "out": Block("out", *tile, policy.out, array=("batch", "seq_pad", "blocks_pad"), dtype_key="out"),
         "g": Block("g", *tile, policy.out),
-        "dq": dataclasses.replace(q, name="dq", dtype=policy.qk_grad_dtype),
-        "dweights": dataclasses.replace(weights, name="dweights"),
-        "dk": dataclasses.replace(k, name="dk", dtype=policy.qk_grad_dtype),
-        "dk_scale": dataclasses.replace(k_scale_t, name="dk_scale"),
+        "dq": dataclasses.replace(
+            q, name="dq", dtype=policy.qk_grad_dtype, array="q", dtype_key="qk_grad", grad_of="q"
+        ),
+        "dweights": dataclasses.replace(
+            weights, name="dweights", array="weights", dtype_key="weights", grad_of="weights"
+        ),
+        "dk": dataclasses.replace(
+            k, name="dk", dtype=policy.qk_grad_dtype, array="k", dtype_key="qk_grad", grad_of="k"
+        ),
+        "dk_scale": dataclasses.replace(k_scale_t, name="dk_scale", array="k_scale_t", dtype_key="float32"),
     }
 
 
@@ -271,7 +298,8 @@ def build(variant: Variant) -> VariantPlan:
             KernelPlan(
                 name="dk",
                 grid=dk_grid,
-                scalar_prefetch=q_block_ranges + ("q_lo", "q_hi"),
+                # The skip range first (the index maps read it); no w tile range: dk does not skip along j.
+                scalar_prefetch=("q_lo", "q_hi") + q_block_ranges[2:],
                 inputs=dk_inputs + (blocks["g"],),
                 outputs=(blocks["dk"],) + ((blocks["dk_scale"],) if scaled else ()),
                 scratch=dk_scratch,
@@ -281,16 +309,19 @@ def build(variant: Variant) -> VariantPlan:
                 work=Work(mxu_passes=1 + grad_passes, vpu_ops=2 + 3 * scaled, useful_passes=2),
             )
         )
-    narrowest = min((policy.qk, policy.weights, policy.out), key=tiles.itemsize)
+    narrowest = min((policy.qk, policy.weights, policy.out), key=geometry.itemsize)
     mxu_itemsize = 4 if policy.qk == F32 and policy.precision == "highest" else 2
+    mxu_operand = "bfloat16" if policy.qk == FP8 else policy.qk
     return VariantPlan(
         variant=variant,
         block_q=variant.block_q,
         block_w=variant.block_w,
         compute_w=variant.compute_w,
         head_chunk=variant.head_chunk,
-        sublanes=tiles.sublanes(narrowest),
+        sublanes=geometry.sublanes(narrowest),
         mxu_itemsize=mxu_itemsize,
+        mxu_operand=mxu_operand,
+        grad_matmul="plain" if grad_passes == 1 else "split",
         kernels=tuple(kernels),
     )
 
@@ -333,6 +364,8 @@ def sparse(variant: Variant) -> tuple[SparseKernelPlan, SparseKernelPlan]:
         backward_type, backward_precision = F32, "highest"
     else:
         backward_type, backward_precision = mxu_type, "matmul"
+    if backward_type == F32 and policy.precision == "highest":
+        backward_precision = "highest"  # "matmul" is HIGHEST: one name for one kernel
     grad_passes = 1 if backward_type == F32 else 2
     return (
         SparseKernelPlan("sparse_forward", (PARALLEL, PARALLEL), mxu_type, "matmul", 1, 1),

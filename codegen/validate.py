@@ -7,10 +7,11 @@ dimensions must be multiples of (8, 128) or span the whole array dimension. The 
 
 from __future__ import annotations
 
-from codegen import chips, tiles
+from codegen import chips
 from codegen.errors import Problem
 from codegen.spec import FamilySpec
 from codegen.variants import Variant
+from codegen.shipped import _geometry as geometry
 
 RENDERABLE_BACKENDS = ("tpu",)
 RENDERABLE_BACKWARDS = ("fused", "reference")
@@ -23,28 +24,28 @@ def _head_chunk_path(variant: Variant) -> str:
 def _tpu_problems(spec: FamilySpec, variant: Variant) -> list[Problem]:
     problems = []
     tiling = f"tilings.{variant.tiling}"
-    if variant.block_q % tiles.MIN_SUBLANES:
+    if variant.block_q % geometry.MIN_SUBLANES:
         problems.append(
             Problem(
                 f"{tiling}.block_q",
                 variant.block_q,
-                f"must be a multiple of {tiles.MIN_SUBLANES} on TPU (sublanes of the q, weights and output blocks)",
+                f"must be a multiple of {geometry.MIN_SUBLANES} on TPU (sublanes of the q, weights and output blocks)",
             )
         )
-    if variant.block_w % tiles.LANES:
+    if variant.block_w % geometry.LANES:
         problems.append(
             Problem(
                 f"{tiling}.block_w",
                 variant.block_w,
-                f"must be a multiple of {tiles.LANES} on TPU (lanes of the output block)",
+                f"must be a multiple of {geometry.LANES} on TPU (lanes of the output block)",
             )
         )
-    if variant.compute_w % tiles.LANES:
+    if variant.compute_w % geometry.LANES:
         problems.append(
             Problem(
                 f"{tiling}.compute_w",
                 variant.compute_w,
-                f"must be a multiple of {tiles.LANES} on TPU (lanes of a compute block's slice of the tile)",
+                f"must be a multiple of {geometry.LANES} on TPU (lanes of a compute block's slice of the tile)",
             )
         )
     heads, head_dim, chunk = spec.model.num_heads, spec.model.head_dim, variant.head_chunk
@@ -56,13 +57,13 @@ def _tpu_problems(spec: FamilySpec, variant: Variant) -> list[Problem]:
                 f"must divide model.num_heads = {heads} (or be 0 for all heads)",
             )
         )
-    elif chunk and chunk != heads and variant.q_layout == "seq_major" and (chunk * head_dim) % tiles.LANES:
+    elif chunk and chunk != heads and variant.q_layout == "seq_major" and (chunk * head_dim) % geometry.LANES:
         problems.append(
             Problem(
                 _head_chunk_path(variant),
                 chunk,
                 f"with q_layout seq_major, head_chunk * model.head_dim = {chunk * head_dim} must be a multiple "
-                f"of {tiles.LANES} on TPU (the q block's lanes), or head_chunk must equal num_heads",
+                f"of {geometry.LANES} on TPU (the q block's lanes), or head_chunk must equal num_heads",
             )
         )
     return problems

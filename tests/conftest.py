@@ -37,6 +37,15 @@ def layout_module(request):
     return VARIANTS[request.param]
 
 
+@pytest.fixture(
+    params=sorted({min(n for n in VARIANTS if VARIANTS[n]._dense is m._dense) for m in VARIANTS.values()})
+)
+def kernels_module(request):
+    """One variant module per shared dense kernel module (``_dense_*``): for what the kernels' code
+    decides (grids, index maps, prefetch), whatever the tiling and dtypes the variant passes in."""
+    return VARIANTS[request.param]
+
+
 @pytest.fixture(params=_one_per(("q_layout", "q_dtype", "weights_dtype", "out_dtype", "k_scale", "backward")))
 def sparse_module(request):
     """One variant module per layout, dtype policy and backward: what the sparse kernels depend on

@@ -11,6 +11,7 @@ import pytest
 from jax._src.state.discharge import discharge_state
 
 from codegen import chips, cost, plan
+from codegen.shipped import _geometry as geometry
 from codegen.spec import DtypePolicy
 from generated.csa_v4 import VARIANTS
 from tests import support
@@ -146,7 +147,7 @@ def test_block_fetches_matches_brute_force(grid):
     for r in range(len(grid) + 1):
         for axes in itertools.combinations(range(len(grid)), r):
             expected = _brute_force_fetches(grid, lambda point: tuple(point[a] for a in axes))
-            assert cost.block_fetches(grid, axes) == expected, (grid, axes)
+            assert geometry.block_fetches(grid, axes) == expected, (grid, axes)
 
 
 @pytest.mark.parametrize(

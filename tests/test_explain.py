@@ -83,11 +83,11 @@ def test_a_legal_but_non_native_block_warns(capsys, tmp_path):
 
 def test_kernels_over_the_default_scope_ask_for_more_vmem():
     """f32 with all 64 heads per step needs more than v5e's 16 MiB default in the dq kernel."""
-    limits = VARIANTS["tpu_hm_f32_q128_w1024_hcall"].VMEM_LIMIT_BYTES
+    limits = VARIANTS["tpu_hm_f32_q128_w1024_hcall"].CONFIG.vmem_limit_bytes
     need = cost.vmem_footprints(family().plan("tpu_hm_f32_q128_w1024_hcall"), 64, 128)["dq_dweights"]
     assert need > 16 * 2**20 and limits["dq_dweights"] >= need and limits["dq_dweights"] % 2**20 == 0
     assert limits["forward"] is None
-    assert all(v is None for v in VARIANTS[PRODUCTION].VMEM_LIMIT_BYTES.values())
+    assert all(v is None for v in VARIANTS[PRODUCTION].CONFIG.vmem_limit_bytes.values())
 
 
 def test_explain_the_production_variant(capsys):

@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from codegen import reference
+from codegen import plan, reference
 from generated.csa_v4 import VARIANTS, topk_indices
 from tests import support
-from tests.spec_cases import ROOT
+from tests.spec_cases import ROOT, family
 
 # Ragged everywhere: S and W off every tile, top_k off the gathered rows' sublane tiling.
 SHAPE = (2, 16, 11, 32, 40)  # B, H, S, D, W
@@ -137,9 +137,10 @@ def test_sparse_score_and_indexer_loss_lower_for_tpu(sparse_module):
     module = sparse_module
     text = _lowered_loss(module, (1, 16, 16, 128, 300), 128)
     name = module.VARIANT["name"]
-    for kernel in ("sparse_forward", "sparse_backward", "forward", "dq_dweights", "dk"):
-        if kernel in ("dq_dweights", "dk") and module.VARIANT["backward"] == "reference":
-            continue
+    the_plan = family().plan(name)
+    kernels = [k.name for k in the_plan.kernels] + [k.name for k in plan.sparse(the_plan.variant)]
+    assert len(kernels) == (5 if module.VARIANT["backward"] == "fused" else 3)
+    for kernel in kernels:
         assert f"{name}_{kernel}" in text, kernel
 
 

@@ -2,13 +2,14 @@
 # DO NOT EDIT: change the spec or the templates, then run `codegen render specs/csa_v4.yaml`.
 """The ``csa_v4`` kernel family: DeepSeek-V4 CSA StreamIndex (lightning indexer) score, forward and backward.
 
-``VARIANTS`` maps every variant's name to its module (an unknown name's KeyError suggests close ones). Each module exposes ``VARIANT`` (its resolved
-parameters), ``score(q, k, weights, *, kv_start=None, kv_end=None, k_scale=None, softmax_scale=None,
-interpret=False)``, ``tiles(seq_len, num_blocks)`` (a call's effective tiling) and ``prepare`` (the
-kernel-ready operands, with the tile ranges the kernels skip by). ``causal_kv_range`` gives the
-causal CSA visible range for ``kv_start, kv_end``; ``quantize_fp8_per_token`` makes the keys and
-``k_scale`` of float8 variants; ``tile_ranges`` is what every kernel skips tiles by, and
-``block_kind`` how each kernel classifies a compute block (empty, full or partial) from them.
+``VARIANTS`` maps every variant's name to its module (an unknown name's KeyError suggests close ones).
+Each module exposes ``VARIANT`` (its resolved parameters), ``score(q, k, weights, *, kv_start=None,
+kv_end=None, k_scale=None, softmax_scale=None, interpret=False)``, ``sharded_score``, ``tiles(seq_len,
+num_blocks)`` (a call's effective tiling) and ``prepare`` (the kernel-ready operands, with the tile
+ranges the kernels skip by). ``causal_kv_range`` gives the causal CSA visible range for ``kv_start,
+kv_end``; ``quantize_fp8_per_token`` makes the keys and ``k_scale`` of float8 variants;
+``tile_ranges`` is what every kernel skips tiles by, and ``block_kind`` how each kernel classifies a
+compute block (empty, full or partial) from them.
 
 Training the indexer as DeepSeek-V4 does: ``topk_indices(scores, top_k, *, method="exact")`` selects
 each query's top_k blocks (int32 ``[B, S, top_k]``, -1 for "no block"); every module's
@@ -19,8 +20,9 @@ softmax_scale=None, interpret=False)`` is the KL loss against the main attention
 dense (every visible block) or sparse (the selected ones).
 """
 
+from ._geometry import block_kind
 from ._runtime import (
-    COMPRESS_RATE, Variants, block_kind, causal_kv_range, quantize_fp8_per_token, tile_ranges, topk_indices,
+    COMPRESS_RATE, Variants, causal_kv_range, quantize_fp8_per_token, tile_ranges, topk_indices,
 )  # fmt: skip
 
 from . import tpu_hm_bf16_q128_w1024_hc16

@@ -8,22 +8,21 @@ Shapes: q [B, H, S, D] (head-major), k [B, W, D], weights [B, S, H] -> [B, S, W]
 Dtypes: q and k float32, weights float32, accumulation float32, output float32.
 Gradients: dq and dk float32, dweights float32.
 Tiling: BLOCK_Q queries x BLOCK_W compressed blocks per tile (one DMA each), computed COMPUTE_W
-blocks at a time, all heads contracted per grid step. A compute block no query of its q block
-may see does no work; only one that some queries see in part builds a mask.
-Backward: two fused Pallas kernels (dq with dweights, and dk) that recompute logits in VMEM.
-Sparse stage: ``sparse_score`` scores each query's top_k selected blocks (Pallas kernels whose work grows
-with top_k, not W) and ``indexer_loss`` is the KL indexer loss, dense or sparse.
-What every variant shares (input checks, padding, tile ranges, cost estimates) is in ``_runtime``.
+blocks at a time, all heads contracted per grid step.
+Forward: the Pallas kernel of ``_dense_hm_hcall``.
+Backward: two fused Pallas kernels (``_dense.backward``: dq with dweights, and dk), logits recomputed in VMEM.
+``sparse_score`` scores each query's top_k selected blocks (``_sparse_f32``) and ``indexer_loss``
+is the KL indexer loss, dense or sparse. What every variant shares is in ``_runtime``.
 """
 
 import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
+from . import _dense_hm_hcall as _dense
 from . import _runtime
+from . import _sparse_f32 as _sparse
 
 VARIANT = {
     "name": "tpu_hm_f32_q128_w1024_hcall",
@@ -48,573 +47,33 @@ BLOCK_Q = 128
 BLOCK_W = 1024
 COMPUTE_W = 128  # compressed blocks per compute step: the granule of skipping and masking
 HEAD_CHUNK = None  # heads contracted per grid step; None: all of them
-# Padding granule of a shrunk block: the native sublane tiling of the narrowest dtype in a q-row block.
-SUBLANES = 8
-# float32 inputs at HIGHEST precision: full-precision MXU passes, so the kernel matches float32 math.
-MATMUL_PRECISION = jax.lax.Precision.HIGHEST
-# Scoped VMEM to compile each kernel with (None: the chip's default); codegen sized it for v5e, v5p, v6e, 7x.
-VMEM_LIMIT_BYTES = {"forward": None, "dq_dweights": 30408704, "dk": None}
-# From the kernel plan: the grid axes each operand's block index follows (b batch, c head chunk,
-# i q block, j w block), and each kernel's work per (head, query, block) entry: MXU passes of a
-# logits-sized matmul, elementwise operations.
-FOLLOWS = {
-    "q": "bci",
-    "k": "bj",
-    "weights": "bi",
-    "kv_bounds": "bi",
-    "out": "bij",
-    "g": "bij",
-    "dq": "bci",
-    "dweights": "bi",
-    "weights_t": "bic",
-    "kv_bounds_t": "bi",
-    "dk": "bj",
-}
-WORK = {
-    "forward": (1, 3),
-    "dq_dweights": (2, 5),
-    "dk": (2, 2),
-}
+CONFIG = _runtime.Config(  # the kernel plan's facts the shared kernels take from this variant
+    VARIANT,
+    sublanes=8,  # padding granule of a shrunk q block: the narrowest q-row dtype's row tiling
+    # float32 inputs at HIGHEST precision: full-precision MXU passes, so the kernel matches float32 math.
+    precision=jax.lax.Precision.HIGHEST,
+    # The float32 dlogits tile meets the MXU as it is: one pass at that precision.
+    grad_matmul="plain",
+    # Per kernel and (head, query, block) entry: MXU passes of a logits-sized matmul, elementwise operations.
+    work={"forward": (1, 3), "dq_dweights": (2, 5), "dk": (2, 2)},
+    # Scoped VMEM to compile each kernel with (None: the chip's default); codegen sized it for v5e, v5p, v6e, 7x.
+    vmem_limit_bytes={"forward": None, "dq_dweights": 30408704, "dk": None},
+)
 
 
 def tiles(seq_len, num_blocks):
     """This call's (block_q, block_w): BLOCK_Q x BLOCK_W, shrunk when the problem is smaller than a tile."""
-    return _runtime.tiles(seq_len, num_blocks, BLOCK_Q, BLOCK_W, COMPUTE_W, SUBLANES)
-
-
-def prepare(q, k, weights, kv_start, kv_end, k_scale, along_q=False):
-    """The kernel-ready ``_runtime.Operands`` of a checked call: padded to whole tiles, with tile ranges;
-    with ``along_q``, also the weights, bounds and key scales the dk kernel's transposed tiles read."""
-    # An input upcast to float32 (to have its gradient summed over mesh axes in float32: see
-    # _runtime.vary_together) goes back to this variant's dtype, exactly; otherwise these do nothing.
-    q, k, weights = (
-        x.astype(VARIANT[f"{name}_dtype"]) for x, name in ((q, "q"), (k, "k"), (weights, "weights"))
-    )
-    batch, num_heads, seq_len, head_dim = _runtime.q_dims(q, VARIANT["q_layout"])
-    num_blocks = k.shape[1]
-    block_q, block_w = tiles(seq_len, num_blocks)
-    seq_pad, blocks_pad = _runtime.round_up(seq_len, block_q), _runtime.round_up(num_blocks, block_w)
-    q = _runtime.pad_to(q, 2, seq_pad)
-    weights = _runtime.pad_to(weights, 1, seq_pad)
-    weights_t = _runtime.along_q(weights, block_q) if along_q else None
-    kv_start, kv_end = _runtime.kv_bounds(kv_start, kv_end, num_blocks, seq_pad)
-    ranges = _runtime.tile_ranges(kv_start, kv_end, block_q, block_w, blocks_pad // block_w)
-    kv_bounds = jnp.stack([kv_start, kv_end], axis=-1)
-    k_scale_t = None
-    return _runtime.Operands(
-        q, _runtime.pad_to(k, 1, blocks_pad), weights, kv_bounds, k_scale, ranges,
-        batch, num_heads, seq_len, num_blocks, head_dim, seq_pad, blocks_pad, block_q, block_w, COMPUTE_W,
-        HEAD_CHUNK or num_heads, weights_t, _runtime.along_q(kv_bounds, block_q) if along_q else None, k_scale_t,
-    )  # fmt: skip
-
-
-def _block_specs(x, fetch):
-    """BlockSpecs of every operand, for a grid whose points map to blocks through ``fetch``.
-
-    ``fetch(*grid_indices, *scalar_prefetch_refs) -> (b, c, i, j)``: the batch, head chunk, q block
-    and w block whose tiles are in VMEM at that grid point.
-    """
-
-    def spec(block_shape, index):
-        return pl.BlockSpec(block_shape, lambda *grid: index(*fetch(*grid)))
-
-    return dict(
-        q=spec((None, x.heads, x.block_q, x.head_dim), lambda b, c, i, j: (b, c, i, 0)),
-        k=spec((None, x.block_w, x.head_dim), lambda b, c, i, j: (b, j, 0)),
-        weights=spec((None, x.block_q, x.heads), lambda b, c, i, j: (b, i, 0)),
-        kv_bounds=spec((None, x.block_q, 2), lambda b, c, i, j: (b, i, 0)),
-        out=spec((None, x.block_q, x.block_w), lambda b, c, i, j: (b, i, j)),
-        g=spec((None, x.block_q, x.block_w), lambda b, c, i, j: (b, i, j)),
-        dq=spec((None, x.heads, x.block_q, x.head_dim), lambda b, c, i, j: (b, c, i, 0)),
-        dweights=spec((None, x.block_q, x.heads), lambda b, c, i, j: (b, i, 0)),
-        weights_t=spec((None, None, x.heads, x.block_q), lambda b, c, i, j: (b, i, c, 0)),
-        kv_bounds_t=spec((None, None, 2, x.block_q), lambda b, c, i, j: (b, i, 0, 0)),
-        dk=spec((None, x.block_w, x.head_dim), lambda b, c, i, j: (b, j, 0)),
-    )
-
-
-def _q_head(q_ref, h, head_dim):
-    """Head ``h`` of a q block, ``[block_q, D]``."""
-    return q_ref[h]
-
-
-def _k_block(k_ref, cols):
-    """The keys of one compute block, ``[compute_w, D]``."""
-    return k_ref[cols, :]
-
-
-def _logits(a, b):
-    """a [m, D] . b [n, D]^T in float32, ``[m, n]``: one head's logits (q_h, k) or, transposed, (k, q_h)."""
-    return jax.lax.dot_general(
-        a, b, _runtime.CONTRACT_LAST, precision=MATMUL_PRECISION, preferred_element_type=_runtime.ACCUM_DTYPE
-    )
-
-
-def _contract_heads(q_ref, k, weights, head_dim):
-    """sum_h weights[:, h] * relu(q_h . k^T) over the heads in this block: [block_q, compute_w] float32."""
-    acc = None
-    for h in range(weights.shape[1]):
-        term = jnp.maximum(_logits(_q_head(q_ref, h, head_dim), k), 0.0) * weights[:, h : h + 1]
-        acc = term if acc is None else acc + term
-    return acc
-
-
-def _forward_kernel(
-    w_lo_ref, w_hi_ref, any_lo_ref, any_hi_ref, all_lo_ref, all_hi_ref,   # scalar prefetch
-    q_ref, k_ref, weights_ref, kv_bounds_ref,   # inputs
-    out_ref,   # outputs
-    *, softmax_scale, head_dim,
-):  # fmt: skip
-    """One [block_q, block_w] score tile, computed COMPUTE_W blocks at a time; all heads are contracted in this grid step.
-
-    A compute block no query of the q block may see does no work: it is stored masked. Only a
-    partial one (some query sees some of it, not all) builds the mask.
-    """
-    b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    del w_lo_ref, w_hi_ref  # used by the index maps only
-    row = _runtime.q_block_row(b, i, "bij")
-    for block in _runtime.compute_blocks(
-        (any_lo_ref, any_hi_ref, all_lo_ref, all_hi_ref), row, j, k_ref.shape[0], COMPUTE_W
-    ):
-
-        @pl.when(block.work)
-        def _store():
-            weights = weights_ref[...].astype(_runtime.ACCUM_DTYPE)  # [block_q, H]
-            acc = _contract_heads(q_ref, _k_block(k_ref, block.cols), weights, head_dim)
-            scores = softmax_scale * acc
-            out_ref[:, block.cols] = _runtime.mask_partial(
-                block, scores, kv_bounds_ref, _runtime.MASKED_VALUE
-            ).astype(out_ref.dtype)
-
-        @pl.when(jnp.logical_not(block.work))
-        def _store_masked():
-            out_ref[:, block.cols] = jnp.full(
-                (out_ref.shape[0], COMPUTE_W), _runtime.MASKED_VALUE, out_ref.dtype
-            )
-
-
-def _forward(q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret, out_dtype):
-    """The score in ``out_dtype`` through one pallas_call; never holds more than a [block_q, block_w] tile of logits."""
-    x = prepare(q, k, weights, kv_start, kv_end, k_scale)
-    results = _runtime.kernel_call(
-        functools.partial(_forward_kernel, softmax_scale=softmax_scale, head_dim=x.head_dim),
-        x,
-        grid_axes="bij",
-        semantics=("parallel", "parallel", "parallel"),
-        # A step outside [w_lo, w_hi) of its q block does no work: j is clamped into the range,
-        # so its blocks stay those of the nearest step that does and no DMA is issued.
-        skip=_runtime.Skip(axis="j", by="i", lo="w_lo", hi="w_hi", hold=""),
-        scalar_prefetch=("w_lo", "w_hi", "any_lo", "any_hi", "all_lo", "all_hi"),
-        inputs={"q": x.q, "k": x.k, "weights": x.weights, "kv_bounds": x.kv_bounds},
-        outputs={"out": jax.ShapeDtypeStruct((x.batch, x.seq_pad, x.blocks_pad), out_dtype)},
-        scratch=[],
-        block_specs=_block_specs,
-        follows=FOLLOWS,
-        work=WORK["forward"],
-        vmem_limit_bytes=VMEM_LIMIT_BYTES["forward"],
-        interpret=interpret,
-        name=f"{VARIANT['name']}_forward",
-    )
-
-    return _runtime.crop_to(results[0], (x.batch, x.seq_len, x.num_blocks))
-
-
-def _dq_dweights_kernel(
-    w_lo_ref, w_hi_ref, any_lo_ref, any_hi_ref, all_lo_ref, all_hi_ref,   # scalar prefetch
-    q_ref, k_ref, weights_ref, kv_bounds_ref, g_ref,   # inputs
-    dq_ref, dweights_ref,   # outputs
-    dq_acc_ref, dweights_acc_ref,   # scratch
-    *, softmax_scale, head_dim,
-):  # fmt: skip
-    """dq and dweights of one q block, reduced over w tiles (the innermost grid axis),
-    COMPUTE_W compressed blocks at a time: one that no query of the q block may see does no work."""
-    b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    del w_lo_ref, w_hi_ref  # used by the index maps only
-    first, last = _runtime.reduction_steps("bij", "j")
-
-    @pl.when(first)
-    def _zero():
-        dq_acc_ref[...] = jnp.zeros_like(dq_acc_ref)
-        dweights_acc_ref[...] = jnp.zeros_like(dweights_acc_ref)
-
-    row = _runtime.q_block_row(b, i, "bij")
-    for block in _runtime.compute_blocks(
-        (any_lo_ref, any_hi_ref, all_lo_ref, all_hi_ref), row, j, k_ref.shape[0], COMPUTE_W
-    ):
-
-        @pl.when(block.work)
-        def _accumulate():
-            k = _k_block(k_ref, block.cols)
-            # Masked entries get no gradient, whatever the cotangent holds there.
-            g = _runtime.mask_partial(
-                block, g_ref[:, block.cols].astype(_runtime.ACCUM_DTYPE), kv_bounds_ref, 0.0
-            )
-            _dq_dweights_block(
-                q_ref,
-                k,
-                g,
-                weights_ref[...].astype(_runtime.ACCUM_DTYPE),
-                dq_acc_ref,
-                dweights_acc_ref,
-                head_dim,
-            )
-
-    @pl.when(last)
-    def _store():
-        dq_ref[...] = (softmax_scale * dq_acc_ref[...]).astype(dq_ref.dtype)
-        dweights_ref[...] = (softmax_scale * dweights_acc_ref[...]).astype(dweights_ref.dtype)
-
-
-def _dq_dweights_block(q_ref, k, g, weights, dq_acc_ref, dweights_acc_ref, head_dim):
-    """Adds one compute block's share of dq and dweights, head by head: k [compute_w, D], g [block_q, compute_w]."""
-    for h in range(weights.shape[1]):
-        logits = _logits(_q_head(q_ref, h, head_dim), k)
-        dweights_acc_ref[:, h : h + 1] += jnp.sum(g * jnp.maximum(logits, 0.0), axis=1, keepdims=True)
-        dlogits = _runtime.dlogits(logits, g, weights[:, h : h + 1])
-        dq_acc_ref[h] += _runtime.matmul(dlogits, k, MATMUL_PRECISION)
-
-
-def _dk_kernel(
-    w_lo_ref, w_hi_ref, any_lo_ref, any_hi_ref, all_lo_ref, all_hi_ref, q_lo_ref, q_hi_ref,   # scalar prefetch
-    q_ref, k_ref, weights_t_ref, kv_bounds_t_ref, g_ref,   # inputs
-    dk_ref,   # outputs
-    dk_acc_ref,   # scratch
-    *, softmax_scale, head_dim,
-):  # fmt: skip
-    """dk of one w tile, reduced over q blocks (the innermost grid axes),
-    COMPUTE_W compressed blocks at a time: one that no query of the q block may see does no work.
-
-    The logits are computed transposed, ``k . q_h^T`` [compute_w, block_q], so dk accumulates as an
-    ordinary matmul ``dlogits_t . q_h``: the cotangent is transposed once per compute block, never per
-    head, and the weights and bounds arrive laid out along q.
-    """
-    del w_lo_ref, w_hi_ref, q_lo_ref, q_hi_ref  # used by the index maps only
-    b, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    first, last = _runtime.reduction_steps("bji", "i")
-
-    @pl.when(first)
-    def _zero():
-        dk_acc_ref[...] = jnp.zeros_like(dk_acc_ref)
-
-    row = _runtime.q_block_row(b, i, "bji")
-    for block in _runtime.compute_blocks(
-        (any_lo_ref, any_hi_ref, all_lo_ref, all_hi_ref), row, j, k_ref.shape[0], COMPUTE_W
-    ):
-
-        @pl.when(block.work)
-        def _accumulate():
-            k = _k_block(k_ref, block.cols)
-            # The cotangent as [compute_w, block_q]: the kernel's one transpose, once per compute block.
-            g_t = g_ref[:, block.cols].astype(_runtime.ACCUM_DTYPE).T
-            # Masked entries get no gradient, whatever the cotangent holds there.
-            g_t = _runtime.mask_partial(block, g_t, kv_bounds_t_ref, 0.0, transposed=True)
-            _dk_block(
-                q_ref,
-                k,
-                g_t,
-                weights_t_ref[...].astype(_runtime.ACCUM_DTYPE),
-                dk_acc_ref,
-                block.cols,
-                head_dim,
-            )
-
-    @pl.when(last)
-    def _store():
-        dk_ref[...] = (softmax_scale * dk_acc_ref[...]).astype(dk_ref.dtype)
-
-
-def _dk_block(q_ref, k, g_t, weights_t, dk_acc_ref, cols, head_dim):
-    """Adds one compute block's share of dk, head by head: k [compute_w, D], g_t [compute_w, block_q], weights_t [heads, block_q]."""
-    for h in range(weights_t.shape[0]):
-        q_h = _q_head(q_ref, h, head_dim)
-        logits_t = _logits(k, q_h)  # [compute_w, block_q]
-        dlogits_t = _runtime.dlogits(logits_t, g_t, weights_t[h : h + 1, :])
-        dk_acc_ref[cols, :] += _runtime.matmul(dlogits_t, q_h, MATMUL_PRECISION)
-
-
-def _backward(softmax_scale, interpret, out_dtype, residuals, g):
-    """dq, dk, dweights from two pallas_calls that recompute logits tile by tile in VMEM.
-
-    Residuals are the inputs: no [B, H, S, W] (nor [B, S, W]) tensor is saved or materialised.
-    Tiles no query may see are skipped, as in the forward.
-    """
-    del out_dtype  # g arrives in it; the kernels read it as float32
-    q, k, weights, kv_start, kv_end, k_scale = residuals
-    x = prepare(q, k, weights, kv_start, kv_end, k_scale, along_q=True)
-    # Padding is masked: its cotangent is never read.
-    g = _runtime.pad_to(_runtime.pad_to(g, 1, x.seq_pad), 2, x.blocks_pad)
-    results = _runtime.kernel_call(
-        functools.partial(_dq_dweights_kernel, softmax_scale=softmax_scale, head_dim=x.head_dim),
-        x,
-        grid_axes="bij",
-        semantics=("parallel", "parallel", "arbitrary"),
-        # A step outside [w_lo, w_hi) of its q block does no work: j is clamped into the range,
-        # so its blocks stay those of the nearest step that does and no DMA is issued.
-        skip=_runtime.Skip(axis="j", by="i", lo="w_lo", hi="w_hi", hold=""),
-        scalar_prefetch=("w_lo", "w_hi", "any_lo", "any_hi", "all_lo", "all_hi"),
-        inputs={"q": x.q, "k": x.k, "weights": x.weights, "kv_bounds": x.kv_bounds, "g": g},
-        outputs={
-            "dq": jax.ShapeDtypeStruct(x.q.shape, _runtime.grad_dtype(q, jnp.float32)),
-            "dweights": jax.ShapeDtypeStruct(x.weights.shape, _runtime.grad_dtype(weights, jnp.float32)),
-        },
-        scratch=[
-            pltpu.VMEM((x.heads, x.block_q, x.head_dim), jnp.float32),
-            pltpu.VMEM((x.block_q, x.heads), jnp.float32),
-        ],
-        block_specs=_block_specs,
-        follows=FOLLOWS,
-        work=WORK["dq_dweights"],
-        vmem_limit_bytes=VMEM_LIMIT_BYTES["dq_dweights"],
-        interpret=interpret,
-        name=f"{VARIANT['name']}_dq_dweights",
-    )
-
-    dq, dweights = results
-    dq = _runtime.crop_to(dq, (x.batch, x.num_heads, x.seq_len, x.head_dim))
-    dweights = _runtime.crop_to(dweights, (x.batch, x.seq_len, x.num_heads))
-    results = _runtime.kernel_call(
-        functools.partial(_dk_kernel, softmax_scale=softmax_scale, head_dim=x.head_dim),
-        x,
-        grid_axes="bji",
-        semantics=("parallel", "parallel", "arbitrary"),
-        # A step outside [q_lo, q_hi) of its w block does no work: i is clamped into the range,
-        # so its blocks stay those of the nearest step that does and no DMA is issued.
-        skip=_runtime.Skip(axis="i", by="j", lo="q_lo", hi="q_hi", hold=""),
-        scalar_prefetch=("w_lo", "w_hi", "any_lo", "any_hi", "all_lo", "all_hi", "q_lo", "q_hi"),
-        inputs={"q": x.q, "k": x.k, "weights_t": x.weights_t, "kv_bounds_t": x.kv_bounds_t, "g": g},
-        outputs={"dk": jax.ShapeDtypeStruct(x.k.shape, _runtime.grad_dtype(k, jnp.float32))},
-        scratch=[pltpu.VMEM((x.block_w, x.head_dim), jnp.float32)],
-        block_specs=_block_specs,
-        follows=FOLLOWS,
-        work=WORK["dk"],
-        vmem_limit_bytes=VMEM_LIMIT_BYTES["dk"],
-        interpret=interpret,
-        name=f"{VARIANT['name']}_dk",
-    )
-
-    dk = _runtime.crop_to(results[0], (x.batch, x.num_blocks, x.head_dim))
-    return dq, dk, dweights, None, None, None
-
-
-# The sparse score: per query, only the top_k blocks of ``indices``. Blocking: grid (batch, q block of
-# _runtime.SPARSE_BLOCK_Q queries), nothing of the variant's BLOCK_Q x BLOCK_W tiling or head chunk;
-# k of one batch element is one resident VMEM block (fetched once per b), and per query the kernel
-# gathers its top_k rows into VMEM scratch and contracts all heads at once: [top_k, D] x [H, D]^T,
-# a [top_k, H] tile of logits. MXU work: B * S_pad * top_k_pad * H * D per pass, never W.
-# A query's slots are a lane-dense row of the [B, S_pad, top_k_pad] score and cotangent; the head sums
-# that turn [top_k, H] into such a row (and g into g wᵀ) are [1, H] x [H, top_k]-sized MXU products
-# at HIGHEST precision (1/D of a pass each), as a [top_k, 1] column would need a transpose.
-# From the sparse kernel plan (codegen/plan.py, ``sparse``):
-# Gathered rows in float32.
-SPARSE_GATHER_DTYPE = jnp.float32
-SPARSE_BACKWARD_GATHER_DTYPE = jnp.float32
-SPARSE_BACKWARD_PRECISION = MATMUL_PRECISION
-# MXU passes of a [top_k, H, D] matmul per kernel: the forward's logits; the backward's logits, dq and
-# dk.
-SPARSE_WORK = {"forward": 1, "backward": 3}
-# [top_k, H]-sized products per query: the forward's head sum; the backward's g wᵀ and dweights
-SPARSE_ROW_DOTS = {"forward": 1, "backward": 2}
-ROW_PRECISION = jax.lax.Precision.HIGHEST  # float32 operands: the products keep float32 accuracy
-
-
-def _sparse_query(q_ref, s, dtype):
-    """Query ``s`` of the q block, all heads: ``[H, D]`` in ``dtype`` (a no-op, or an exact upcast)."""
-    return q_ref[s].astype(dtype)
-
-
-def _sparse_logits(gathered, q_s, precision):
-    """gathered [top_k, D] . q_s [H, D]^T in float32: every head's logits of one query's selected blocks."""
-    return jax.lax.dot_general(
-        gathered,
-        q_s,
-        _runtime.CONTRACT_LAST,
-        precision=precision,
-        preferred_element_type=_runtime.ACCUM_DTYPE,
-    )
-
-
-def _head_sum(weights, activated):
-    """sum_h weights[0, h] * activated[:, h] as a lane-dense row: [1, H] . [top_k, H]^T -> [1, top_k]."""
-    return jax.lax.dot_general(
-        weights,
-        activated,
-        _runtime.CONTRACT_LAST,
-        precision=ROW_PRECISION,
-        preferred_element_type=jnp.float32,
-    )
-
-
-def _sparse_forward_kernel(rows_ref, q_ref, k_ref, weights_ref, out_ref, gathered_ref, *, softmax_scale):
-    """Scores of SPARSE_BLOCK_Q queries, a row each: softmax_scale * sum_h weights_h * relu(logits)."""
-    for s in range(_runtime.SPARSE_BLOCK_Q):
-        _runtime.gather_rows(rows_ref, k_ref, gathered_ref, s)
-        logits = _sparse_logits(
-            gathered_ref[...], _sparse_query(q_ref, s, gathered_ref.dtype), MATMUL_PRECISION
-        )
-        weights = weights_ref[s : s + 1, :]  # [1, H]
-        out_ref[s : s + 1, :] = softmax_scale * _head_sum(weights, jnp.maximum(logits, 0.0))
-
-
-def _sparse_backward_kernel(
-    rows_ref, q_ref, k_ref, weights_ref, g_ref,  # inputs
-    dq_ref, dweights_ref, dk_ref,  # outputs
-    gathered_ref, dk_gathered_ref,  # scratch
-    *, softmax_scale,
-):  # fmt: skip
-    """dq and dweights of SPARSE_BLOCK_Q queries; their dk rows added into the resident float32 dk
-    block, which is the output itself: its index follows b only, the q-block axis is "arbitrary"."""
-
-    @pl.when(pl.program_id(1) == 0)
-    def _zero():
-        dk_ref[...] = jnp.zeros_like(dk_ref)
-
-    for s in range(_runtime.SPARSE_BLOCK_Q):
-        _runtime.gather_rows(rows_ref, k_ref, gathered_ref, s)
-        gathered = gathered_ref[...]
-        q_s = _sparse_query(q_ref, s, gathered.dtype)
-        logits = _sparse_logits(gathered, q_s, SPARSE_BACKWARD_PRECISION)  # [top_k, H]
-        g = g_ref[s : s + 1, :]  # [1, top_k]: zero at empty slots
-        weights = weights_ref[s : s + 1, :]  # [1, H]
-        activated = jnp.maximum(logits, 0.0)
-        dweights_ref[s : s + 1, :] = softmax_scale * jax.lax.dot_general(
-            g, activated, _runtime.CONTRACT_INNER, precision=ROW_PRECISION, preferred_element_type=jnp.float32
-        )  # [1, H]
-        # g_j * weights_h as the outer product g wᵀ (a one-deep MXU product): [top_k, H].
-        g_weights = jax.lax.dot_general(
-            g, weights, _runtime.CONTRACT_FIRST, precision=ROW_PRECISION, preferred_element_type=jnp.float32
-        )
-        dlogits = jnp.where(logits > 0.0, g_weights, 0.0)  # relu' = 1[logit > 0]
-        dq = _runtime.sparse_matmul(dlogits, gathered, _runtime.CONTRACT_FIRST, SPARSE_BACKWARD_PRECISION)
-        # [H, D] in dq's own dtype: no float32 copy of q in HBM.
-        dq_ref[s] = (softmax_scale * dq).astype(dq_ref.dtype)
-        dk_gathered_ref[...] = _runtime.sparse_matmul(
-            dlogits, q_s, _runtime.CONTRACT_INNER, SPARSE_BACKWARD_PRECISION
-        )
-        _runtime.scatter_add_rows(rows_ref, dk_ref, dk_gathered_ref, s)
-
-
-def _sparse_forward(q, k, weights, indices, k_scale, softmax_scale, interpret):
-    """The sparse score in float32: one pallas_call, then the empty slots masked."""
-    x = _runtime.sparse_prepare(VARIANT, q, k, weights, indices, k_scale, SPARSE_GATHER_DTYPE)
-    (out,) = _runtime.sparse_call(
-        functools.partial(_sparse_forward_kernel, softmax_scale=softmax_scale),
-        x,
-        inputs={
-            "rows": ("rows", x.rows),
-            "q": ("q", x.q),
-            "k": ("k", x.k),
-            "weights": ("weights", x.weights),
-        },
-        outputs={"out": ("slots", (_runtime.slots_shape(x), jnp.float32))},
-        scratch=[pltpu.VMEM((x.top_k_pad, x.head_dim), SPARSE_GATHER_DTYPE)],
-        semantics=("parallel", "parallel"),
-        work=_runtime.sparse_flops(x, SPARSE_WORK["forward"], SPARSE_ROW_DOTS["forward"]),
-        name=f"{VARIANT['name']}_sparse_forward",
-        interpret=interpret,
-    )
-    out = _runtime.crop_to(out, (x.batch, x.seq_len, x.top_k))
-    return jnp.where(x.valid, out, _runtime.MASKED_VALUE).astype(VARIANT["out_dtype"])
-
-
-def _sparse_backward(softmax_scale, interpret, q, k, weights, indices, k_scale, g):
-    """dq, dk, dweights from one pallas_call; dk never exists per slot in HBM."""
-    x = _runtime.sparse_prepare(VARIANT, q, k, weights, indices, k_scale, SPARSE_BACKWARD_GATHER_DTYPE)
-    g = jnp.where(x.valid, g.astype(jnp.float32), 0.0)  # empty slots get no gradient, whatever g holds there
-    dq_dtype = _runtime.grad_dtype(q, jnp.dtype(VARIANT["qk_grad_dtype"]))  # float32 where q arrived upcast
-    dk_dtype = _runtime.grad_dtype(k, jnp.dtype(VARIANT["qk_grad_dtype"]))
-    results = _runtime.sparse_call(
-        functools.partial(_sparse_backward_kernel, softmax_scale=softmax_scale),
-        x,
-        inputs={
-            "rows": ("rows", x.rows), "q": ("q", x.q), "k": ("k", x.k), "weights": ("weights", x.weights),
-            "g": ("slots", _runtime.slot_rows(g, x.seq_pad, x.top_k_pad)),
-        },
-        outputs={
-            "dq": ("q", (x.q.shape, dq_dtype)),
-            "dweights": ("weights", (x.weights.shape, jnp.float32)),
-            "dk": ("k", (x.k.shape, jnp.float32)),
-        },
-        scratch=[
-            pltpu.VMEM((x.top_k_pad, x.head_dim), SPARSE_BACKWARD_GATHER_DTYPE),
-            pltpu.VMEM((x.top_k_pad, x.head_dim), jnp.float32),
-        ],
-        semantics=("parallel", "arbitrary"),
-        work=_runtime.sparse_flops(x, SPARSE_WORK["backward"], SPARSE_ROW_DOTS["backward"]),
-        name=f"{VARIANT['name']}_sparse_backward",
-        interpret=interpret,
-    )  # fmt: skip
-    dq, dweights, dk = results[:3]
-    dq = _runtime.crop_to(dq, (x.batch, x.seq_len, x.num_heads, x.head_dim))
-    dq = jnp.swapaxes(dq, 1, 2)
-    dweights = _runtime.crop_to(dweights, (x.batch, x.seq_len, x.num_heads)).astype(weights.dtype)
-    dk = softmax_scale * dk
-    return dq, dk.astype(dk_dtype), dweights, None
-
-
-_sparse_score = _runtime.differentiable_sparse_score(
-    VARIANT, _sparse_forward, _sparse_backward, (SPARSE_GATHER_DTYPE, SPARSE_BACKWARD_GATHER_DTYPE)
+    return _runtime.tiles(seq_len, num_blocks, BLOCK_Q, BLOCK_W, COMPUTE_W, CONFIG.sublanes)
+
+
+prepare = functools.partial(_runtime.prepare, CONFIG)  # a checked call's operands, padded, with tile ranges
+# The differentiable scores over the shared kernels, bound to this variant.
+_score_as = _runtime.differentiable_score(
+    VARIANT,
+    functools.partial(_dense.forward, CONFIG),
+    functools.partial(_dense.backward, CONFIG),
 )
-
-
-def sparse_score(q, k, weights, indices, *, k_scale=None, softmax_scale=None, interpret=False):
-    """Returns the ``[B, S, top_k]`` float32 score of each query against its selected blocks.
-
-    ``out[b, s, j] = score[b, s, indices[b, s, j]]``, -inf where the index is -1 or outside
-    [0, W) (both mean "no block"). Differentiable in q, k and weights: duplicate
-    indices add up, empty slots get no gradient. Nothing of size W per query is computed.
-
-    Args:
-      q, k, weights, softmax_scale, interpret: as for ``score``.
-      indices: integer [B, S, top_k] block indices, e.g. from ``topk_indices``.
-
-    Kernels: a forward and one backward pallas_call over the grid (batch, q block of
-    _runtime.SPARSE_BLOCK_Q queries). Per query: top_k rows of k gathered from the VMEM-resident
-    k into scratch (one dynamic row read each), all heads contracted in one [top_k, D] x [D, H]
-    matmul; the backward adds each slot's dk row into a float32 dk resident in VMEM (one dynamic
-    row += each) and writes dq and dweights per query. Indices come in per q block through SMEM.
-    MXU work per kernel: SPARSE_WORK passes of B * S * top_k * H * D multiply-adds.
-    Works inside ``jax.shard_map`` on per-device shards, as ``score`` does (queries and their indices
-    split over an axis, k replicated: dk is summed over it once, in float32).
-
-    The one route keeps k and the float32 dk of one batch element in VMEM: at D = 128 that is
-    W * 1.5 KiB for bfloat16 k (2 KiB for float32; double-buffered), so the smallest target
-    (_runtime.SPARSE_VMEM_CAPACITY_BYTES) holds W up to ~30000 bfloat16 keys (~22000 float32, ~36000
-    float8) at H = 64, top_k = 1024: 128k-token context (W = 32768 at compress rate 4) is just past it
-    for bfloat16, 1M context (W = 262144) far past.
-    Beyond it, a ValueError naming W and the limit is raised before anything is traced.
-    Never run on a TPU: the tests run Mosaic's TPU lowering on a CPU and check the kernels against the
-    reference in interpret mode; libtpu's Mosaic compiles them ahead of time for v6e and 7x.
-    """
-    return _sparse_score(
-        q, k, weights, indices, k_scale=k_scale, softmax_scale=softmax_scale, interpret=interpret
-    )
-
-
-def indexer_loss(
-    q, k, weights, target, *, indices=None, kv_start=None, kv_end=None, k_scale=None, softmax_scale=None,
-    interpret=False,
-):  # fmt: skip
-    """DeepSeek's indexer loss: the float32 mean, over queries whose set is non-empty, of
-    ``KL(target || softmax(score))`` over the set, the target renormalised on it.
-
-    Dense (``indices=None``): ``target`` is [B, S, W], the set is the blocks visible through
-    ``kv_start``/``kv_end``, and the score is ``score``'s. Sparse: ``target`` is [B, S, top_k], aligned
-    with ``indices``, the set is the slots whose index lies in [0, W) (and in [kv_start, kv_end) where
-    given), and the score is ``sparse_score``'s; a block selected twice is two entries of the set.
-    The log-softmax is float32; ``target`` is a constant (no gradient), taken as non-negative.
-    Differentiable in q, k and weights. A row whose set is empty adds 0 and is not averaged over; one
-    whose target has no mass on its set adds 0 (and is). With no non-empty set the loss is 0, never NaN.
-    """
-    return _runtime.indexer_loss(
-        VARIANT, score, sparse_score, q, k, weights, target, indices=indices, kv_start=kv_start, kv_end=kv_end,
-        k_scale=k_scale, softmax_scale=softmax_scale, interpret=interpret,
-    )  # fmt: skip
-
-
-# The call contract (checks, the defaults filled in) and the differentiable score over this module's
-# kernels; shared by every variant, in _runtime.
-_check = functools.partial(_runtime.check_call, VARIANT)
-_score_as = _runtime.differentiable_score(VARIANT, _forward, _backward)
+_sparse_score = _sparse.differentiable(VARIANT)
 
 
 def score(q, k, weights, *, kv_start=None, kv_end=None, k_scale=None, softmax_scale=None, interpret=False):
@@ -625,17 +84,15 @@ def score(q, k, weights, *, kv_start=None, kv_end=None, k_scale=None, softmax_sc
       k: float32 [B, W, D] compressed keys.
       weights: float32 [B, S, H] per-head weights.
       kv_start, kv_end: integer [B, S]; query (b, s) sees block w iff kv_start <= w < kv_end. Every
-        other entry is -inf and gets no gradient. None: from block 0 / up to block W.
-        Tiles no query of theirs may see do no work, forward and backward.
+        other entry is -inf and gets no gradient (and tiles no query sees do no work).
       k_scale: must be None: only float8 variants store keys with a scale.
       softmax_scale: positive scale; None means head_dim ** -0.5.
       interpret: False on hardware; True or ``pltpu.InterpretParams(...)`` to run on the CPU.
 
     Any S >= 1 and W >= 1 work; ragged sizes are padded to the tiling and sliced back.
     Gradients: dq and dk come back as float32, dweights as float32.
-    Works inside any ``jax.shard_map`` (check_vma on or off) on per-device shards: outputs and
-    gradients vary over the mesh axes the inputs do, and the gradient of an input replicated over an
-    axis the others vary over is summed over it. ``sharded_score`` does the sharding for you.
+    Works inside any ``jax.shard_map`` on per-device shards (see ``_runtime.differentiable_score``);
+    ``sharded_score`` does the sharding for you.
     """
     return _score_as(
         jnp.dtype(VARIANT["out_dtype"]), q, k, weights,
@@ -650,32 +107,55 @@ def sharded_score(
     """``score`` on a mesh: a differentiable ``jax.shard_map`` over ``mesh`` returning the same ``[B, S, W]``.
 
     Args:
-      mesh: a ``jax.sharding.Mesh`` with Auto or Explicit axes. Inputs laid out otherwise (or not on
-        the mesh at all) are resharded to fit, eagerly or under ``jax.jit``.
-      batch_axes: B is sharded over those of these axes that the mesh has (any may be missing). When
-        B does not divide over them, the batch is replicated instead, with a warning naming the sizes.
-      context_axis: None, or an axis to shard S over: q, weights, kv_start, kv_end and the output are
-        split along S, while k is replicated on it (its gradient is summed over
-        it, once, in float32). The axis must divide S. Bounds stay global compressed-block indices,
-        so every shard masks, and skips tiles, right; visibility is per query, so the queries may
-        come in any order: for causal load balance give each shard a chunk from the start of the
-        sequence and one from the end (both q and the bounds permuted), and the scores come back in
-        that order.
-      head_axis: None, or an axis to shard H over (q's and weights'). Each shard scores its heads;
-        the float32 partial scores are summed over the axis; masked
-        entries stay exactly -inf. The axis must divide H.
-        Cost: an all-reduce of the float32 ``[B/dp, S/cp, W]`` partial scores in the forward, and of
-        dk (``[B/dp, W, D]``) in the backward. Context parallelism moves only the latter
-        (W x D floats against S x W per sequence: 64x fewer at S = 8192, D = 128), so prefer it; see
-        ``python benchmarks/sharding.py``.
-        Only the float32 summation order of the partials differs from the single-device score:
-        within 1e-5 relative (Frobenius) error of it, the suite's float32 tolerance.
-      Everything else is ``score``'s. An axis the mesh does not have, or one used twice, is a
-      ValueError naming it, raised before anything is traced; so is a size that does not divide.
+      mesh: a ``jax.sharding.Mesh`` with Auto or Explicit axes; inputs are resharded to fit it.
+      batch_axes: B is sharded over those of these axes the mesh has (replicated, with a warning, where
+        it does not divide).
+      context_axis: None, or an axis to shard S over; k is replicated on it and its gradient
+        summed over it in float32. Cheaper than head_axis; queries may come in any order.
+      head_axis: None, or an axis to shard H over: the
+        float32 partial scores are summed over it; masked entries stay -inf.
+        Only the float32 summation order differs from the single-device score.
+      Everything else is ``score``'s. Costs, load balance and the checks (a ValueError naming a bad
+      axis or size, before anything is traced): ``_runtime.sharded_score``.
     """
     return _runtime.sharded_score(
-        _score_as, _check, q, k, weights, q_layout=VARIANT["q_layout"], head_chunk=HEAD_CHUNK,
-        out_dtype=jnp.dtype(VARIANT["out_dtype"]), mesh=mesh, batch_axes=batch_axes, context_axis=context_axis,
+        VARIANT, _score_as, q, k, weights, mesh=mesh, batch_axes=batch_axes, context_axis=context_axis,
         head_axis=head_axis, kv_start=kv_start, kv_end=kv_end, k_scale=k_scale, softmax_scale=softmax_scale,
         interpret=interpret,
+    )  # fmt: skip
+
+
+def sparse_score(q, k, weights, indices, *, k_scale=None, softmax_scale=None, interpret=False):
+    """Returns the ``[B, S, top_k]`` float32 score of each query against its selected blocks.
+
+    ``out[b, s, j] = score[b, s, indices[b, s, j]]``, -inf where the index is -1 or outside
+    [0, W) (both mean "no block"). Differentiable in q, k and weights: duplicate
+    indices add up, empty slots get no gradient. Nothing of size W per query is computed: two Pallas
+    kernels gather each query's top_k rows of k (see ``_sparse_f32``, and its limit on W).
+
+    Args:
+      q, k, weights, softmax_scale, interpret: as for ``score``.
+      indices: integer [B, S, top_k] block indices, e.g. from ``topk_indices``.
+
+    Works inside ``jax.shard_map`` on per-device shards, as ``score`` does.
+    """
+    return _sparse_score(
+        q, k, weights, indices, k_scale=k_scale, softmax_scale=softmax_scale, interpret=interpret
+    )
+
+
+def indexer_loss(
+    q, k, weights, target, *, indices=None, kv_start=None, kv_end=None, k_scale=None, softmax_scale=None,
+    interpret=False,
+):  # fmt: skip
+    """DeepSeek's indexer loss, float32: the mean over queries with a non-empty set of
+    ``KL(target || softmax(score))`` over the set (see ``_runtime.indexer_loss``).
+
+    Dense (``indices=None``): ``target`` is [B, S, W] and the set is the visible blocks of ``score``.
+    Sparse: ``target`` is [B, S, top_k], aligned with ``indices``; the set is the slots whose index lies
+    in [0, W) (and in [kv_start, kv_end) where given), scored by ``sparse_score``.
+    """
+    return _runtime.indexer_loss(
+        VARIANT, score, sparse_score, q, k, weights, target, indices=indices, kv_start=kv_start, kv_end=kv_end,
+        k_scale=k_scale, softmax_scale=softmax_scale, interpret=interpret,
     )  # fmt: skip

@@ -1,0 +1,140 @@
+"""TPU tile geometry, each fact written once: the generator (cost model, VMEM budget, validation) and
+the generated runtime both import this file, and ``codegen render`` copies it into every family
+package as it is. It needs only ``jax.numpy``, on arrays or on scalars read from SMEM alike.
+
+A vreg holds 8 sublanes x 128 lanes of 32 bits, so a narrower dtype packs more rows into one tile:
+Mosaic lays out a VMEM block's last dimension in 128 lanes and the one before it in rows of that
+granule. Blocks shrunk to a small problem are rounded to it; the cost model pads every VMEM block to it.
+"""
+
+import math
+
+import jax.numpy as jnp
+
+KIB, MIB = 2**10, 2**20
+LANES = 128
+SUBLANES_BY_ITEMSIZE = {4: 8, 2: 16, 1: 32}
+# Mosaic's legality rule: a block's last two dimensions are multiples of (8, 128) or span the array.
+MIN_SUBLANES = SUBLANES_BY_ITEMSIZE[4]
+# A kernel over the default scoped VMEM asks for its footprint plus this share for Mosaic's own
+# scratch, in whole MiB (the dense kernels at render time, the sparse ones at call time).
+VMEM_HEADROOM = 1.25
+
+
+def round_up(x, multiple):
+    return -(-x // multiple) * multiple
+
+
+def itemsize(dtype):
+    """Bytes per element of ``dtype``: a dtype or a name ("float32", "bfloat16", "float8_e4m3fn", ...)."""
+    return jnp.dtype(dtype).itemsize
+
+
+def sublanes(dtype):
+    """Rows of one native tile of ``dtype``."""
+    return SUBLANES_BY_ITEMSIZE[itemsize(dtype)]
+
+
+def vmem_limit(need, scoped_default):
+    """The ``vmem_limit_bytes`` a kernel needing ``need`` bytes asks for: None when the default scope holds it."""
+    return None if need <= scoped_default else round_up(int(need * VMEM_HEADROOM), MIB)
+
+
+def tiles(seq_len, num_blocks, block_q, block_w, compute_w, sublanes):
+    """A call's (block_q, block_w): the variant's, shrunk when the problem is smaller than a tile (rows
+    to the ``sublanes`` granule of the narrowest q-row dtype, columns to whole compute blocks, which
+    are whole 128-lane groups)."""
+    return min(block_q, round_up(seq_len, sublanes)), min(block_w, round_up(num_blocks, compute_w))
+
+
+def block_fetches(grid, moving):
+    """DMAs of a block whose index follows the grid positions ``moving``, in a row-major walk that
+    re-fetches only on change: the last step that changes the index is the one that moves the
+    innermost such axis m of size > 1, so it changes at every step of the grid cut after m,
+    prod(grid[:m + 1]) fetches (1 when no axis moves). Outputs are written back as often."""
+    moving = [a for a in moving if grid[a] > 1]
+    return math.prod(grid[: max(moving) + 1]) if moving else 1
+
+
+# Which compute blocks a q block's queries may see: the rule the kernels skip and mask by. The kernels
+# classify every (q block, compute block) as empty, full or partial from four int32 per q block; the
+# cost model (``codegen explain --causal``) and the tests run the same functions on whole problems.
+
+
+def query_block_bounds(kv_start, kv_end, block_q):
+    """What the queries of each q block see, in four int32 per q block, flattened to ``[B * S // block_q]``.
+
+    ``kv_start``, ``kv_end``: int32 [B, S], S a multiple of ``block_q``; query (b, s) sees the
+    compressed blocks ``[kv_start, kv_end)`` (empty when ``kv_start >= kv_end``). Returns
+    (any_lo, any_hi, all_lo, all_hi): no query of the q block sees a block outside
+    ``[any_lo, any_hi)`` (0, 0 when none sees any), and every query sees all of ``[all_lo, all_hi)``
+    (empty, ``all_lo >= all_hi``, when some query sees nothing).
+    """
+    batch, seq_len = kv_start.shape
+    start, end = (x.reshape(batch * (seq_len // block_q), block_q) for x in (kv_start, kv_end))
+    nonempty = end > start
+    seen = jnp.any(nonempty, axis=1)
+    any_lo = jnp.where(seen, jnp.min(jnp.where(nonempty, start, jnp.iinfo(jnp.int32).max), axis=1), 0)
+    any_hi = jnp.where(seen, jnp.max(jnp.where(nonempty, end, 0), axis=1), 0)
+    all_lo, all_hi = jnp.max(start, axis=1), jnp.min(end, axis=1)
+    return tuple(x.astype(jnp.int32) for x in (any_lo, any_hi, all_lo, all_hi))
+
+
+def block_kind(any_lo, any_hi, all_lo, all_hi, lo, hi):
+    """(empty, full) of the compressed blocks ``[lo, hi)`` for a q block with these bounds.
+
+    Empty: no query of the q block may see any of them, so they do no work at all. Full: every
+    query sees every one of them, so no mask is built. Neither: partial, the only case that masks.
+    """
+    empty = (hi <= any_lo) | (any_hi <= lo)
+    full = (all_lo <= lo) & (hi <= all_hi)
+    return empty, full
+
+
+# The sparse kernels (``sparse_score``): grid (batch, q block of SPARSE_BLOCK_Q queries), k of one batch
+# element resident in VMEM, each query's top_k rows gathered into a scratch.
+
+SPARSE_BLOCK_Q = 8  # queries per grid step of the sparse kernels
+SPARSE_GATHER_CHUNK = 8  # rows gathered per store into the scratch, at least (see sparse_gather_chunk)
+
+
+def sparse_gather_chunk(gather_dtype):
+    """Slots a gather stores at once: SPARSE_GATHER_CHUNK, or the sublane tile of the gathered rows'
+    dtype where that is more rows (16 of bfloat16: a store at a multiple of 8 rows only is not provably
+    aligned in a packed array)."""
+    return max(SPARSE_GATHER_CHUNK, sublanes(gather_dtype))
+
+
+def sparse_gather_group(k_dtype):
+    """Rows of k a gathered row is read with: 1 for 32-bit k, whose single-row reads at a dynamic row
+    Mosaic accepts; else the dtype's native sublane tile (16 bfloat16, 32 float8), read whole at a
+    tile-aligned start, as Mosaic must prove a read's row offset into a packed array a multiple of its
+    tile (a single bfloat16 row at a dynamic row fails: E2003, unproven alignment)."""
+    return 1 if itemsize(k_dtype) == 4 else sublanes(k_dtype)
+
+
+def sparse_k_rows(num_blocks, k_dtype):
+    """Rows of the resident k block (and of the dk block): W rounded up to whole gather groups, so that
+    a group read never leaves the block; past W the rows are the pipeline's padding, never selected."""
+    return round_up(num_blocks, sparse_gather_group(k_dtype))
+
+
+def sparse_top_k_pad(top_k, gather_dtype):
+    """top_k rounded up to whole gather chunks of the gathered rows' dtype."""
+    return round_up(top_k, sparse_gather_chunk(gather_dtype))
+
+
+def sparse_vmem_bytes(num_blocks, head_dim, num_heads, top_k_pad, k_dtype, gather_dtype, q_dtype):
+    """VMEM the sparse backward kernel (the larger of the two) holds: k for one batch element and its
+    float32 dk accumulator resident (both double-buffered by the pipeline), the gathered rows and
+    their float32 dk, the float32 staging of 16- and 8-bit k's row groups, the query blocks, and the
+    in-flight [top_k, H] float32 tiles."""
+    lanes = lambda n: round_up(n, LANES)
+    resident = 2 * num_blocks * lanes(head_dim) * (itemsize(k_dtype) + 4)
+    gathered = top_k_pad * lanes(head_dim) * (itemsize(gather_dtype) + 4)
+    group = sparse_gather_group(k_dtype)  # the staging scratch: a float32 group per slot of a chunk, if > 1
+    staging = (sparse_gather_chunk(gather_dtype) * group if group > 1 else 0) * lanes(head_dim) * 4
+    queries = 2 * SPARSE_BLOCK_Q * num_heads * lanes(head_dim) * (itemsize(q_dtype) + 4)
+    slots = 2 * 3 * SPARSE_BLOCK_Q * lanes(top_k_pad) * 4 + 2 * 2 * SPARSE_BLOCK_Q * lanes(num_heads) * 4
+    in_flight = 6 * top_k_pad * lanes(num_heads) * 4
+    return resident + gathered + staging + queries + slots + in_flight
