@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from codegen.spec import FP8
 from codegen.variants import Variant
 from codegen.shipped import _geometry as geometry
 
@@ -237,15 +236,15 @@ def build(variant: Variant) -> VariantPlan:
     # float8 q/k are upcast to bfloat16 in VMEM for the MXU: one q head and a compute block of k at a time.
     upcast = (
         (
-            Buffer("q_head", ("block_q", "head_dim"), "bfloat16"),
-            Buffer("k_tile", ("compute_w", "head_dim"), "bfloat16"),
+            Buffer("q_head", ("block_q", "head_dim"), policy.mxu_dtype),
+            Buffer("k_tile", ("compute_w", "head_dim"), policy.mxu_dtype),
         )
-        if policy.qk == FP8
+        if policy.mxu_dtype != policy.qk
         else ()
     )
     # The gradient matmul splits a float32 tile into a head and a tail of the MXU type (two passes)
     # unless q/k are float32.
-    grad_passes = 1 if policy.qk == F32 else 2
+    grad_passes = 1 if policy.mxu_dtype == F32 else 2
     inputs = tuple(
         blocks[n] for n in ("q", "k", "weights", "kv_bounds", "k_scale") if n != "k_scale" or scaled
     )
@@ -310,8 +309,7 @@ def build(variant: Variant) -> VariantPlan:
             )
         )
     narrowest = min((policy.qk, policy.weights, policy.out), key=geometry.itemsize)
-    mxu_itemsize = 4 if policy.qk == F32 and policy.precision == "highest" else 2
-    mxu_operand = "bfloat16" if policy.qk == FP8 else policy.qk
+    mxu_itemsize = 4 if policy.mxu_dtype == F32 and policy.precision == "highest" else 2
     return VariantPlan(
         variant=variant,
         block_q=variant.block_q,
@@ -320,7 +318,7 @@ def build(variant: Variant) -> VariantPlan:
         head_chunk=variant.head_chunk,
         sublanes=geometry.sublanes(narrowest),
         mxu_itemsize=mxu_itemsize,
-        mxu_operand=mxu_operand,
+        mxu_operand=policy.mxu_dtype,
         grad_matmul="plain" if grad_passes == 1 else "split",
         kernels=tuple(kernels),
     )
@@ -359,7 +357,7 @@ def sparse(variant: Variant) -> tuple[SparseKernelPlan, SparseKernelPlan]:
     whose dense backward is the float32 reference VJP gathers float32 rows and multiplies at HIGHEST.
     """
     policy = variant.policy
-    mxu_type = F32 if policy.qk == F32 else "bfloat16"
+    mxu_type = policy.mxu_dtype
     if variant.backward == "reference":
         backward_type, backward_precision = F32, "highest"
     else:

@@ -74,8 +74,8 @@ class Tiling(StrictModel):
     block_q: Annotated[int, Field(ge=1)]
     block_w: Annotated[int, Field(ge=1)]
     # one 128-lane vreg of compressed blocks per compute step is what names leave out
-    compute_w: Annotated[int, Field(ge=1, json_schema_extra={"name_tag": "c", "name_omits": 128})] | None = (
-        None
+    compute_w: Annotated[int, Field(ge=1)] | None = Field(
+        default=None, json_schema_extra={"name_tag": "c", "name_omits": 128}
     )
 
     @field_validator("compute_w")
@@ -144,9 +144,15 @@ class DtypePolicy(StrictModel):
         return "highest" if self.qk == "float32" else "default"
 
     @property
+    def mxu_dtype(self) -> str:
+        """The type q and k meet the MXU in: float8 is upcast to bfloat16 in VMEM (exactly), the others
+        go as they are. Every kernel-shape decision that depends on q and k's dtype reads this."""
+        return "bfloat16" if self.qk == FP8 else self.qk
+
+    @property
     def qk_grad_dtype(self) -> str:
         """dtype of dq and dk: float8 gradients would be meaningless, so they come back as bfloat16."""
-        return "bfloat16" if self.qk == FP8 else self.qk
+        return self.mxu_dtype
 
 
 class VariantMatrix(StrictModel):
