@@ -51,3 +51,28 @@ def sparse_module(request):
     """One variant module per layout, dtype policy and backward: what the sparse kernels depend on
     (they use none of a variant's tiling or head chunk)."""
     return VARIANTS[request.param]
+
+
+# The suite's longest tests (each minutes, or close: a subprocess of its own or the masked gradients of
+# the 1024-wide variants), slowest first. They are collected first so that pytest-xdist starts them
+# first, one per worker, and the hundreds of short tests fill in around them: collected in file order,
+# the last of them started near the end and left the other core idle for minutes.
+_LONGEST_FIRST = (
+    "tests/test_sharding.py::",
+    "tests/test_work.py::test_executed_mxu_work",
+    "tests/test_sparse.py::test_sparse_gradient_executes_mxu_work",
+    "tests/test_readme.py::",
+    "tests/test_compiled.py::test_compiled_schedule",
+    "tests/test_masking.py::test_masked_forward_top_k_gradients_and_skipped_tiles[tpu_sm_",
+    "tests/test_masking.py::test_masked_forward_top_k_gradients_and_skipped_tiles[tpu_hm_fp8",
+)
+
+
+def pytest_collection_modifyitems(items):
+    """Moves the longest tests to the front, in the order of ``_LONGEST_FIRST`` (a stable sort: the same
+    order on every xdist worker, as xdist requires)."""
+
+    def rank(item):
+        return next((i for i, prefix in enumerate(_LONGEST_FIRST) if item.nodeid.startswith(prefix)), None)
+
+    items.sort(key=lambda item: (rank(item) is None, rank(item) or 0))

@@ -76,6 +76,28 @@ def call(module, q, k, weights, **kwargs):
     )
 
 
+def vjp_program(module, **kwargs):
+    """``module.score`` and its VJP as one jitted program ``(q, k, weights, cotangent) -> (out, (dq, dk,
+    dweights))``, as a training step compiles them; keyword arguments as for ``call``.
+
+    One XLA compile of the forward and backward kernels together: ``jax.vjp`` of an eager call compiles
+    the forward, its residuals and the backward as programs of their own, at several times the cost.
+    Calling the program twice runs the same compiled kernels again, without compiling anything.
+    """
+    arrays = {name: value for name, value in kwargs.items() if isinstance(value, (jax.Array, np.ndarray))}
+    static = {name: value for name, value in kwargs.items() if name not in arrays}
+
+    def program(q, k, weights, cotangent, arrays):
+        score = lambda q, k, weights: module.score(
+            q, k, weights, **key_scale(module.VARIANT, k), **arrays, **static
+        )
+        out, vjp = jax.vjp(score, q, k, weights)
+        return out, vjp(cotangent)
+
+    compiled = jax.jit(program)
+    return lambda q, k, weights, cotangent: compiled(q, k, weights, cotangent, arrays)
+
+
 def reference_score(variant: dict, q, k, weights, **kwargs):
     return reference.score(q, k, weights, q_layout=variant["q_layout"], **key_scale(variant, k), **kwargs)
 

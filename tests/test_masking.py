@@ -3,8 +3,6 @@ the causal off-by-one, and top-k agreement. Every generated variant, discovered 
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,19 +31,6 @@ def _top_k_agrees(name, scores, reference, seen):
     assert np.array_equal(got, want), f"{name}: top-{TOP_K} differs on {np.any(got != want, -1).sum()} rows"
 
 
-def test_masked_forward_and_top_k(module):
-    name = module.VARIANT["name"]
-    variant = module.VARIANT
-    q, k, weights = support.make_inputs(variant, MASKED_SHAPE, seed=21)
-    kv_start, kv_end = support.mask_batch(MASKED_SHAPE[2], MASKED_SHAPE[4], seed=22)
-    out = support.call(module, q, k, weights, kv_start=kv_start, kv_end=kv_end, interpret=True)
-    reference = support.reference_score(variant, q, k, weights, kv_start=kv_start, kv_end=kv_end)
-    support.assert_close(name, out, reference)
-    seen = np.asarray(jnp.sum(jnp.isfinite(reference), axis=-1))
-    assert (seen == 0).any() and (seen > TOP_K).any()  # the batch holds empty rows and full ones
-    _top_k_agrees(name, out, reference, seen)
-
-
 def _skippable_tiles(kv_start, kv_end, block_q, block_w, num_w_blocks):
     """Brute force of the skipping contract: w tile j of batch b may be skipped by every kernel when it
     lies outside every q block's covering range [min kv_start, max kv_end) of non-empty rows."""
@@ -65,12 +50,16 @@ def _skippable_tiles(kv_start, kv_end, block_q, block_w, num_w_blocks):
     return skippable
 
 
-def test_masked_gradients_and_skipped_tiles(module):
-    """Gradients with masks against the reference VJP, with a cotangent that is non-zero on masked
-    entries too, and the same call twice bitwise identical. With the fused backward, keys in compute blocks the kernels must skip (for every q
-    block) are NaN: any matmul on them would leak NaN into dq, so finite gradients show those
-    blocks were skipped (and contribute nothing), inside DMA tiles that have work too. The
-    reference backward has no blocks to skip: it gets finite keys."""
+def test_masked_forward_top_k_gradients_and_skipped_tiles(module):
+    """The masked forward against the reference (masked entries exactly where the reference has them),
+    its top-k, and the gradients against the reference VJP with a cotangent that is non-zero on masked
+    entries too; the same call twice bitwise identical. The four visibility patterns of ``mask_batch``
+    (one per batch element) hold empty rows, full ones and partial ones. With the fused backward, keys
+    in compute blocks the kernels must skip (for every q block) are NaN: any matmul on them would leak
+    NaN into dq, so finite gradients show those blocks were skipped (and contribute nothing), inside
+    DMA tiles that have work too. The reference backward has no blocks to skip: it gets finite keys.
+
+    The forward and the backward run as one compiled program (as a training step runs them), twice."""
     name = module.VARIANT["name"]
     variant = module.VARIANT
     batch, _, seq_len, _, num_blocks = MASKED_SHAPE
@@ -92,18 +81,20 @@ def test_masked_gradients_and_skipped_tiles(module):
     cotangent = jax.random.normal(jax.random.PRNGKey(25), (batch, seq_len, num_blocks)).astype(
         variant["out_dtype"]
     )
-    score = functools.partial(support.call, module, kv_start=kv_start, kv_end=kv_end, interpret=True)
-    out, vjp = jax.vjp(score, q, k_poisoned, weights)
-    grads = vjp(cotangent)
+    program = support.vjp_program(module, kv_start=kv_start, kv_end=kv_end, interpret=True)
+    out, grads = program(q, k_poisoned, weights, cotangent)
     # Determinism: the same call again gives the forward and every gradient bit for bit.
-    again_out, again_vjp = jax.vjp(score, q, k_poisoned, weights)
-    for first, second in zip((out, *grads), (again_out, *again_vjp(cotangent))):
+    again_out, again_grads = program(q, k_poisoned, weights, cotangent)
+    for first, second in zip((out, *grads), (again_out, *again_grads)):
         assert np.array_equal(np.asarray(first).view(np.uint8), np.asarray(second).view(np.uint8))
     # The reference sees the unpoisoned keys: the poisoned ones are never visible.
     expected_out = support.reference_score(variant, q, k, weights, kv_start=kv_start, kv_end=kv_end)
     ref_grads = support.reference_grads(variant, q, k, weights, cotangent, kv_start=kv_start, kv_end=kv_end)
 
     support.assert_close(f"{name} score", out, expected_out)
+    seen = np.asarray(jnp.sum(jnp.isfinite(expected_out), axis=-1))
+    assert (seen == 0).any() and (seen > TOP_K).any()  # the batch holds empty rows and full ones
+    _top_k_agrees(name, out, expected_out, seen)
     for arg, grad, ref_grad in zip(("q", "k", "weights"), grads, ref_grads):
         support.assert_close(f"{name} d{arg}", grad, ref_grad)
     assert not np.asarray(grads[1], np.float32)[poisoned].any()  # skipped keys get exactly zero
@@ -111,22 +102,32 @@ def test_masked_gradients_and_skipped_tiles(module):
 
 def test_queries_that_see_nothing(module):
     """Causal positions 0..2 with r = 4 see no complete block: all masked, zero gradients, no NaN."""
-    name = module.VARIANT["name"]
     variant = module.VARIANT
     q, k, weights = support.make_inputs(variant, (1, 16, 3, 64, 2), seed=26)
     kv_start, kv_end = causal_kv_range(jnp.arange(3)[None], 4)
-    score = functools.partial(support.call, module, kv_start=kv_start, kv_end=kv_end, interpret=True)
-    out, vjp = jax.vjp(score, q, k, weights)
+    program = support.vjp_program(module, kv_start=kv_start, kv_end=kv_end, interpret=True)
+    out, grads = program(q, k, weights, jnp.ones((1, 3, 2), variant["out_dtype"]))
     assert np.all(np.isneginf(np.asarray(out, np.float32)))
     grad_dtypes = (variant["qk_grad_dtype"], variant["qk_grad_dtype"], variant["weights_dtype"])
-    for grad, dtype in zip(vjp(jnp.ones_like(out)), grad_dtypes):
+    for grad, dtype in zip(grads, grad_dtypes):
         assert grad.dtype == jnp.dtype(dtype)
         assert not np.asarray(grad, np.float32).any()
 
 
-def test_tile_ranges_match_brute_force(module):
+def _one_per_tiling(seq_len, num_blocks):
+    """One variant per distinct (block_q, block_w, compute_w) at this problem size: ``tile_ranges`` and
+    ``block_kind`` are the shared runtime's, and depend on nothing else of a variant."""
+    chosen = {}
+    for name in sorted(VARIANTS):
+        module = VARIANTS[name]
+        chosen.setdefault((*module.tiles(seq_len, num_blocks), module.COMPUTE_W), name)
+    return sorted(chosen.values())
+
+
+@pytest.mark.parametrize("name", _one_per_tiling(300, 2500))
+def test_tile_ranges_match_brute_force(name):
     """The scalar-prefetch ranges are exactly the tiles the contract allows: tight, never short."""
-    name = module.VARIANT["name"]
+    module = VARIANTS[name]
     seq_len, num_blocks = 300, 2500
     kv_start, kv_end = support.mask_batch(seq_len, num_blocks, seed=27)
     block_q, block_w = module.tiles(seq_len, num_blocks)
@@ -146,11 +147,13 @@ def test_tile_ranges_match_brute_force(module):
         assert (q_lo[b, j], q_hi[b, j]) == (rows.min(), rows.max() + 1)
 
 
+@pytest.mark.parametrize("name", _one_per_tiling(300, 700))
 @pytest.mark.parametrize("causal", [False, True], ids=["random_ranges", "causal"])
-def test_compute_block_kinds_match_brute_force(module, causal):
+def test_compute_block_kinds_match_brute_force(name, causal):
     """Every (q block, compute block) the kernels call full is fully visible and every one they call
     empty is invisible, against the [S, W] visibility matrix; under a causal mask (contiguous ranges)
     the kernels call empty exactly the invisible ones, so no compute block with no work runs."""
+    module = VARIANTS[name]
     seq_len, num_blocks = 300, 700
     if causal:
         kv_start, kv_end = causal_kv_range(jnp.arange(4 * seq_len, step=4)[None] + 3, 4)
