@@ -30,11 +30,7 @@ def _snapshot(root: pathlib.Path) -> dict[str, bytes]:
     }
 
 
-def test_committed_tree_is_up_to_date(capsys):
-    assert cli.main(["render", "--check", str(SPEC_PATH)]) == 0
-    assert "up to date" in capsys.readouterr().out
-
-
+@pytest.mark.version_free
 def test_render_is_deterministic(tmp_path):
     outputs = []
     for run in ("one", "two"):
@@ -45,6 +41,7 @@ def test_render_is_deterministic(tmp_path):
     assert "csa_v4/__init__.py" in outputs[0]
 
 
+@pytest.mark.version_free
 def test_render_matches_committed_bytes(project):
     before = _snapshot(project / "generated")
     shutil.rmtree(project / "generated" / "csa_v4")
@@ -52,6 +49,7 @@ def test_render_matches_committed_bytes(project):
     assert _snapshot(project / "generated") == before
 
 
+@pytest.mark.version_free
 def test_check_catches_a_hand_edit_and_writes_nothing(project, capsys):
     target = next((project / "generated" / "csa_v4").glob("tpu_hm_*.py"))
     target.write_text(target.read_text().replace("BLOCK_Q = ", "BLOCK_Q = 2 * "))
@@ -63,6 +61,7 @@ def test_check_catches_a_hand_edit_and_writes_nothing(project, capsys):
     assert _snapshot(project / "generated") == before
 
 
+@pytest.mark.version_free
 def test_stale_files_are_reported_then_removed(project, capsys):
     stale = project / "generated" / "csa_v4" / "tpu_hm_f32_q64_w512_hcall.py"
     stale.write_text("# an old variant\n")
@@ -74,6 +73,7 @@ def test_stale_files_are_reported_then_removed(project, capsys):
     assert cli.main(["render", "--check", spec]) == 0
 
 
+@pytest.mark.version_free
 def test_a_bad_spec_writes_nothing(project, capsys):
     spec = project / "specs" / "csa_v4.yaml"
     spec.write_text(edited(lambda d: d["tilings"]["small"].update(block_w=100)))

@@ -383,6 +383,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.version_free
 def test_sparse_gradient_executes_mxu_work_in_proportion_to_top_k():
     """The MXU work the gradient through sparse_score executes (each dot counted as it runs, in a fresh
     process) against the gradient of the dense score, unmasked: about 6/7 * top_k / W for bfloat16 (0.217

@@ -8,6 +8,8 @@ from codegen import load, pipeline, variants
 from codegen.errors import SpecError
 from tests.spec_cases import edited, shipped
 
+pytestmark = pytest.mark.version_free  # the spec models and the cost model: no JAX version changes them
+
 
 def _problems(text: str) -> str:
     with pytest.raises(SpecError) as info:
