@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from codegen.shipped._geometry import KIB, MIB
+KIB, MIB = (
+    2**10,
+    2**20,
+)  # byte units; codegen/shipped/_geometry.py has them too, but needs JAX, and chips must not
 
 
 @dataclasses.dataclass(frozen=True)
