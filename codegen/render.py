@@ -98,14 +98,17 @@ def dense_modules(family: Family) -> dict[str, list[VariantPlan]]:
     return groups
 
 
-def sparse_module_of(family: Family, name: str) -> str:
-    return next(
-        module for module, plans in sparse_modules(family).items() if any(p.name == name for p in plans)
-    )
+def sparse_module_names(family: Family) -> dict[str, str]:
+    """Variant name -> the ``_sparse_*`` module it binds."""
+    return {p.name: module for module, plans in sparse_modules(family).items() for p in plans}
 
 
-def render_variant(env: jinja2.Environment, family: Family, plan: VariantPlan) -> str:
+def render_variant(
+    env: jinja2.Environment, family: Family, plan: VariantPlan, sparse_module: str | None = None
+) -> str:
+    """A variant's module; ``sparse_module`` (its ``_sparse_*`` module) is looked up when not given."""
     variant = plan.variant
+    sparse_module = sparse_module or sparse_module_names(family)[plan.name]
     source = env.get_template("module.py.j2").render(
         **_stamp(family),
         **_policy_facts(variant),
@@ -117,15 +120,27 @@ def render_variant(env: jinja2.Environment, family: Family, plan: VariantPlan) -
         vmem_limits=repr({k.name: k.vmem_limit_bytes for k in plan.kernels}),
         targets=", ".join(family.spec.targets),
         backward_summary=_BACKWARD[variant.backward],
-        sparse_module=sparse_module_of(family, plan.name),
+        sparse_module=sparse_module,
     )
     return format_source(source)
+
+
+def _geometry_of(kernel: plan_module.KernelPlan) -> tuple:
+    """What a dense module renders of a kernel: its grid, prefetch, skip and blocks, not their dtypes."""
+    blocks = tuple((b.name, b.shape, b.index, b.array, b.dtype_key, b.grad_of) for b in kernel.blocks)
+    scratch = tuple((b.name, b.shape, b.dtype) for b in kernel.scratch)
+    return kernel.grid, kernel.scalar_prefetch, kernel.skip, blocks, scratch
 
 
 def render_dense(env: jinja2.Environment, family: Family, plans: list[VariantPlan]) -> str:
     """One ``_dense_*`` module: rendered from the plan of a variant with the fused backward (their
     kernels' geometry is the same for every variant of the module; tiling and dtypes are call-time)."""
     p = max(plans, key=lambda p: len(p.kernels))
+    for other in plans:  # what the module renders must hold for every variant that binds it
+        mismatched = [k.name for k in other.kernels if _geometry_of(k) != _geometry_of(p.kernel(k.name))]
+        assert (
+            not mismatched
+        ), f"{other.name} and {p.name} share {other.dense_module} but differ in {mismatched}"
     return format_source(
         env.get_template("tpu/dense.py.j2").render(
             **_stamp(family),
@@ -198,6 +213,7 @@ def render_family(family: Family) -> dict[str, str]:
         files[f"{spec.family}/{module}.py"] = render_dense(env, family, plans)
     for module, plans in sparse_modules(family).items():
         files[f"{spec.family}/{module}.py"] = render_sparse(env, family, plans)
+    sparse_of = sparse_module_names(family)
     for plan in family.plans:
-        files[f"{spec.family}/{plan.name}.py"] = render_variant(env, family, plan)
+        files[f"{spec.family}/{plan.name}.py"] = render_variant(env, family, plan, sparse_of[plan.name])
     return files
