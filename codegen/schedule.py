@@ -153,6 +153,9 @@ def _tree(spans: list[Span]) -> tuple[Span, ...]:
     return tuple(top)
 
 
+FEW_BRANCHES = 8  # below this many, a single close at the farthest distance is trusted (see _delay_slots)
+
+
 def _delay_slots(lines, branches: list[int], path: str) -> int:
     """The chip's delay slots: the largest distance after a branch at which many branches (a third or
     more) close a region. A branch's own region closes there; a region that closes sooner is nested, or
@@ -162,6 +165,10 @@ def _delay_slots(lines, branches: list[int], path: str) -> int:
         for d in range(1, MAX_DELAY_SLOTS + 1)
     }
     many = [d for d, count in closes.items() if count * 3 >= len(branches)]
+    if not many and len(branches) <= FEW_BRANCHES:
+        # A step with few branches (one region per kernel phase) may close most of them early: the
+        # farthest close is then the branch's own region.
+        many = [d for d, count in closes.items() if count]
     if not branches or not many:
         raise ScheduleError(
             f"{path}: no delay-slot count many branches agree on (regions closed at each: {closes})"
