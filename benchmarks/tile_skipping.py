@@ -3,7 +3,7 @@
 Counted by the cost model ``codegen explain --causal`` uses (``codegen.cost.causal_kinds``), which
 classifies every (q block, compute block) pair with the kernels' own rule (``codegen/shipped/_geometry.py``, the
 source of ``_geometry.py`` in every family package) on the causal ranges: empty (no matmul, no elementwise op), full
-(work, no mask) or partial (work, masked); a DMA tile with no work is never fetched. MXU work is
+(work, every query sees it all) or partial (work, some entries masked; both apply the mask); a DMA tile with no work is never fetched. MXU work is
 proportional to the pairs with work, in every kernel alike.
 
     python benchmarks/tile_skipping.py [--variant NAME] [--seq-len S] [--blocks W]
@@ -46,7 +46,7 @@ def main(argv=None) -> None:
         )
     print("Every kernel (forward, dq/dweights, dk) skips the same tiles and compute blocks; MXU and")
     print(
-        "per-head elementwise work is skipped in proportion to the empty pairs, masks are built in partial ones."
+        "per-head elementwise work is skipped in proportion to the empty pairs; every pair with work is masked."
     )
 
 

@@ -206,10 +206,10 @@ def _compile(args: argparse.Namespace) -> int:
     programs = _programs(args.programs)
     requests, skipped = [], []
     for p in chosen:
-        unrolled = (p.head_chunk or args.shape[1]) * (p.block_w // p.compute_w)
+        logits = (p.head_chunk or args.shape[1]) * p.block_q * p.block_w  # of one gradient grid step
         for program in programs:
-            if program == "grad" and args.max_grad_unroll is not None and unrolled > args.max_grad_unroll:
-                skipped.append(f"{p.name} grad ({unrolled} head x compute block bodies a step)")
+            if program == "grad" and args.max_grad_logits is not None and logits > args.max_grad_logits:
+                skipped.append(f"{p.name} grad ({logits:,} logits a step)")
                 continue
             for chip in targets:
                 requests.append(
@@ -233,7 +233,7 @@ def _compile(args: argparse.Namespace) -> int:
         tpu_compile.discard(res)
     print(f"{len(requests) - failed} compiled, {failed} failed")
     if skipped:
-        print(f"not compiled (--max-grad-unroll {args.max_grad_unroll}): " + "; ".join(skipped))
+        print(f"not compiled (--max-grad-logits {args.max_grad_logits}): " + "; ".join(skipped))
     return EXIT_DIFFERENT if failed else EXIT_OK
 
 
@@ -327,11 +327,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--programs", default=",".join(tpu_compile.PROGRAMS))
     p.add_argument("--top-k", type=int, default=512, help="sparse_score's top_k (default 512)")
     p.add_argument(
-        "--max-grad-unroll",
+        "--max-grad-logits",
         type=int,
         metavar="N",
-        help="skip the gradient of variants whose kernels unroll more than N (head, compute block) bodies in a "
-        "grid step: their compile takes minutes (all heads x 8 compute blocks: 512); they are listed",
+        help="skip the gradient of variants whose grid step computes more than N logits (heads x block_q x "
+        "block_w): all 64 heads of a 128 x 1024 tile (8,388,608) take minutes to compile; they are listed",
     )
     p.add_argument("--tiling", metavar="NAME", help="only the variants of this spec tiling (e.g. prod)")
     p.add_argument("--jobs", type=int, help="compiles at once (default: one per core)")

@@ -60,21 +60,20 @@ class Branches:
     epilogue: tuple = ()
 
 
-_PARTIAL = ("partial", ())
-# From the templates (templates/tpu/forward.py.j2, backward.py.j2; _runtime.mask_partial, accumulate),
-# in the order the compiler lays the regions out (an if/else may come else-first).
+# From the templates (templates/tpu/forward.py.j2, backward.py.j2; _runtime.accumulate), in the order
+# the compiler lays the regions out (an if/else may come else-first). A compute block with work is
+# masked unconditionally: no region of its own.
 BRANCHES = {
-    # all heads in a step: the empty block's masked store, else the scores (their mask if partial)
-    ("forward", False): Branches(per_block=(("empty", ()), ("work", (_PARTIAL,)))),
+    # all heads in a step: the empty block's masked store, else the masked scores
+    ("forward", False): Branches(per_block=(("empty", ()), ("work", ()))),
     # a head chunk per step: accumulate (set at the first chunk, add after), store at the last
     ("forward", True): Branches(
-        per_block=(("work", (("first", ()), ("rest", ()))), ("work_last", (_PARTIAL,)), ("empty_last", ()))
+        per_block=(("work", (("first", ()), ("rest", ()))), ("work_last", ()), ("empty_last", ()))
     ),
-    # zero at the reduction's first step; a block with work (the cotangent masked if partial); store at the last
-    ("dq_dweights", False): Branches(prologue=(("first", ()),), per_block=(("work", (_PARTIAL,)),), epilogue=(("last", ()),)),
-    # the same; the transposed mask is if-converted by the compiler (no branch)
-    ("dk", False): Branches(prologue=(("first", ()),), per_block=(("work", ()),), epilogue=(("last", ()),)),
+    # zero at the reduction's first step; a block with work; store at the last
+    ("dq_dweights", False): Branches(prologue=(("first", ()),), per_block=(("work", ()),), epilogue=(("last", ()),)),
 }  # fmt: skip
+BRANCHES[("dk", False)] = BRANCHES[("dq_dweights", False)]
 BRANCHES[("dq_dweights", True)] = BRANCHES[("dq_dweights", False)]
 BRANCHES[("dk", True)] = BRANCHES[("dk", False)]
 

@@ -5,7 +5,7 @@ its index follows, scratch and temporaries, and the work model. Without visibili
 compute block is assumed to do work, unmasked (as the kernels' ``pl.CostEstimate`` says); with them
 (``block_kinds``), each (q block, compute block) is classified by the kernels' own rule
 (``codegen/shipped/_geometry.py``) and only what the kernels execute is counted: no work for an empty block, the
-mask for a partial one, and no DMA for a skipped tile. The scalar-prefetched ranges (six int32 per q
+the mask for every one with work, and no DMA for a skipped tile. The scalar-prefetched ranges (six int32 per q
 block, two per w tile, in SMEM) are left out.
 """
 
@@ -65,6 +65,7 @@ class Tiling:
             "head_dim": self.shape.head_dim,
             "heads": self.heads,
             "heads_x_dim": self.heads * self.shape.head_dim,
+            "grad_heads": min(self.heads, geometry.GRAD_HEAD_GROUP),
         }
         return tuple(sizes.get(d, d) for d in symbolic if d is not None)
 
@@ -261,7 +262,7 @@ def kernel_cost(
     entries = kinds.work * pair_entries * p.num_heads  # per head, in the compute blocks with work
     useful_entries = p.batch * p.num_heads * p.seq_len * p.num_blocks
     work = kernel.work
-    masks_built = kinds.partial * (t.extents["c"] if work.mask_per_chunk else 1)
+    masks_built = kinds.work * (t.extents["c"] if work.mask_per_chunk else 1)
     moved = {name: fetches[name] * math.prod(s) * n for name, (s, n) in blocks.items()}
     # A skipped tile's DMAs are those of the operands whose blocks hold still on it.
     skipped = kernel.skipped_operands()

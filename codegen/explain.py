@@ -4,8 +4,8 @@ Per kernel: grid, block shapes, VMEM footprint against the limit it compiles wit
 (re-fetches counted as the Pallas pipeline does them) against the minimum, MXU FLOPs and elementwise
 (VPU) operations, arithmetic intensity and the roofline time (``cost.KernelCost``'s one model). With
 ``causal``, every (q block, compute block) is classified by the kernels' own rule on the causal
-ranges (``codegen/shipped/_geometry.py``): empty blocks do no MXU or VPU work, full ones no masking, partial ones
-mask; tiles with no work fetch nothing for the operands the plan holds still on a skipped step.
+ranges (``codegen/shipped/_geometry.py``): empty blocks do no MXU or VPU work, full and partial ones do the
+work and the mask; tiles with no work fetch nothing for the operands the plan holds still on a skipped step.
 """
 
 from __future__ import annotations
@@ -103,8 +103,8 @@ def table(rows: list[Row], chip: chips.Chip, shape, causal: bool, blocks: bool =
                 seen.add(r.variant)
                 n = r.compute_blocks
                 out.append(
-                    f"  {r.variant}: {n['empty']} empty (no work), {n['full']} full (no mask), "
-                    f"{n['partial']} partial (masked); DMA tiles with work {n['tiles_with_work']} of {n['tiles']}"
+                    f"  {r.variant}: {n['empty']} empty (no work), {n['full']} full, "
+                    f"{n['partial']} partial (all with work masked); DMA tiles with work {n['tiles_with_work']} of {n['tiles']}"
                 )
     if blocks:
         out.append("blocks:")

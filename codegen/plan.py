@@ -13,7 +13,8 @@ None (a squeezed dimension).
 
 A grid step's blocks are one DMA's worth (``block_q x block_w``); inside it every kernel steps
 through ``block_w // compute_w`` compute blocks, each classified from four int32 of its q block
-(``codegen/shipped/_geometry.py``) as empty (no work), full (no mask) or partial (masked).
+(``codegen/shipped/_geometry.py``) as empty (no work), full or partial; only empty is branched
+on, and every block with work is masked.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class Skip:
 class Work:
     """Per (head, query, compressed block) entry of a compute block with work: logits-sized MXU
     matmuls (2 * head_dim FLOPs each) and elementwise (VPU) operations; and per (query, compressed
-    block) entry of a partial compute block, the operations that build and apply its mask, once per
+    block) entry of a compute block with work, the operations that build and apply its mask, once per
     grid step over head chunks (``mask_per_chunk``) or once in all."""
 
     mxu_passes: int
@@ -139,7 +140,9 @@ class VariantPlan:
     sublanes: int  # row granule of a shrunk q block: the narrowest dtype of q, weights and output
     mxu_itemsize: int  # the type the MXU multiplies in: 4 only for float32 at highest precision
     mxu_operand: str  # the dtype q and k meet the MXU in: float8 is upcast to bfloat16 in VMEM (exact)
-    grad_matmul: str  # "split": float32 dlogits as a head and a tail of the MXU type (two passes); "plain"
+    # float32 dlogits meet the MXU "split" into a head and a tail of its type (two passes), rounded to
+    # "bf16" (one pass), or "plain" (float32 q/k: one pass at the variant's precision)
+    grad_matmul: str
     kernels: tuple[KernelPlan, ...]
 
     @property
@@ -181,12 +184,6 @@ def _blocks(variant: Variant) -> dict[str, Block]:
         weights = Block("weights", (None, "block_q", "heads"), ("b", "i", 0), policy.weights)
     k = Block("k", (None, "block_w", "head_dim"), ("b", "j", 0), policy.qk)
     k_scale = Block("k_scale", (None, 1, "block_w"), ("b", 0, "j"), "float32")
-    # What the dk kernel's transposed tiles ([compressed block, query]) need, laid out along q by the
-    # wrapper (each q block's [rows, block_q] a whole trailing slab, so any block_q is legal), so the
-    # kernel transposes nothing but the cotangent.
-    weights_t = Block("weights_t", (None, None, "heads", "block_q"), ("b", "i", "c", 0), policy.weights)
-    kv_bounds_t = Block("kv_bounds_t", (None, None, 2, "block_q"), ("b", "i", 0, 0), "int32")
-    k_scale_t = Block("k_scale_t", (None, "block_w", 1), ("b", "j", 0), "float32")
     tile = (None, "block_q", "block_w"), ("b", "i", "j")
     return {
         "q": q,
@@ -194,9 +191,6 @@ def _blocks(variant: Variant) -> dict[str, Block]:
         "weights": weights,
         "kv_bounds": Block("kv_bounds", (None, "block_q", 2), ("b", "i", 0), "int32"),
         "k_scale": k_scale,
-        "weights_t": weights_t,
-        "kv_bounds_t": kv_bounds_t,
-        "k_scale_t": k_scale_t,
         "out": Block("out", *tile, policy.out, array=("batch", "seq_pad", "blocks_pad"), dtype_key="out"),
         "g": Block("g", *tile, policy.out),
         "dq": dataclasses.replace(
@@ -208,7 +202,7 @@ def _blocks(variant: Variant) -> dict[str, Block]:
         "dk": dataclasses.replace(
             k, name="dk", dtype=policy.qk_grad_dtype, array="k", dtype_key="qk_grad", grad_of="k"
         ),
-        "dk_scale": dataclasses.replace(k_scale_t, name="dk_scale", array="k_scale_t", dtype_key="float32"),
+        "dk_scale": dataclasses.replace(k_scale, name="dk_scale", array="k_scale", dtype_key="float32"),
     }
 
 
@@ -231,20 +225,25 @@ def build(variant: Variant) -> VariantPlan:
     chunked = variant.head_chunk > 0
     blocks = _blocks(variant)
     scaled = policy.k_scale
-    tile = Buffer("tile", ("block_q", "compute_w"), F32)  # one compute block's
-    tile_t = Buffer("tile_t", ("compute_w", "block_q"), F32)  # the same, transposed (dk)
-    # float8 q/k are upcast to bfloat16 in VMEM for the MXU: one q head and a compute block of k at a time.
-    upcast = (
-        (
-            Buffer("q_head", ("block_q", "head_dim"), policy.mxu_dtype),
-            Buffer("k_tile", ("compute_w", "head_dim"), policy.mxu_dtype),
-        )
+    tile = Buffer("tile", ("block_q", "compute_w"), F32)  # one compute block's head sum, or cotangent
+    # The heads stacked against one key block: q as [heads * block_q, D] in the MXU type (float8 is
+    # upcast), and the compute block of k.
+    stacked_q = Buffer("stacked_q", ("heads", "block_q", "head_dim"), policy.mxu_dtype)
+    k_tile = (
+        (Buffer("k_tile", ("compute_w", "head_dim"), policy.mxu_dtype),)
         if policy.mxu_dtype != policy.qk
         else ()
     )
-    # The gradient matmul splits a float32 tile into a head and a tail of the MXU type (two passes)
-    # unless q/k are float32.
-    grad_passes = 1 if policy.mxu_dtype == F32 else 2
+    # The backward kernels stack GRAD_HEAD_GROUP heads per matmul ("grad_heads") and their gradient
+    # matmul contracts dlogits over the compute block, so a group's logits are held whole (float32),
+    # beside dlogits in the type the MXU takes them in (a head and a tail of it where split).
+    logits = Buffer("logits", ("grad_heads", "block_q", "compute_w"), F32)
+    if policy.mxu_dtype == F32:
+        grad_matmul, grad_passes = "plain", 1
+    else:
+        grad_matmul, grad_passes = policy.grad_matmul, 2 if policy.grad_matmul == "split" else 1
+    dlogits = (Buffer("dlogits", ("grad_heads", "block_q", "compute_w"), policy.mxu_dtype),) * grad_passes
+    grad_stacked_q = Buffer("stacked_q", ("grad_heads", "block_q", "head_dim"), policy.mxu_dtype)
     inputs = tuple(
         blocks[n] for n in ("q", "k", "weights", "kv_bounds", "k_scale") if n != "k_scale" or scaled
     )
@@ -261,7 +260,8 @@ def build(variant: Variant) -> VariantPlan:
             inputs=inputs,
             outputs=(blocks["out"],),
             scratch=(Buffer("acc", ("block_q", "block_w"), F32),) if chunked else (),
-            temporaries=(tile, tile) + upcast,  # one head's logits and its weighted relu
+            # the logits stream out of the MXU into the head sum: only that sum and the scores are whole
+            temporaries=(stacked_q, tile, tile) + k_tile,
             skip=_skip(forward_grid, "j", "i", "w_lo", "w_hi"),
             # relu, weight multiply, head sum; the mask once, on the scores
             work=Work(mxu_passes=1, vpu_ops=3, useful_passes=1, mask_per_chunk=False),
@@ -277,8 +277,10 @@ def build(variant: Variant) -> VariantPlan:
                 scalar_prefetch=q_block_ranges,
                 inputs=inputs + (blocks["g"],),
                 outputs=(blocks["dq"], blocks["dweights"]),
-                scratch=(Buffer("dq_acc", q_block, F32), Buffer("dweights_acc", ("block_q", "heads"), F32)),
-                temporaries=(tile, tile, tile) + upcast,  # logits, the cotangent in float32, dlogits
+                scratch=(Buffer("dq_acc", q_block, F32), Buffer("dweights_acc", ("heads", "block_q"), F32)),
+                temporaries=(grad_stacked_q, logits, tile)
+                + dlogits
+                + k_tile,  # tile: the cotangent in float32
                 skip=_skip(dq_grid, "j", "i", "w_lo", "w_hi"),
                 # relu, g * relu and its row sum (dweights); g * weight and the relu' select (dlogits)
                 work=Work(mxu_passes=1 + grad_passes, vpu_ops=5, useful_passes=2),
@@ -286,20 +288,17 @@ def build(variant: Variant) -> VariantPlan:
         )
         dk_grid = _grid(chunked, ("b", PARALLEL), ("j", PARALLEL), ("i", ARBITRARY), ("c", ARBITRARY))
         dk_scratch = (Buffer("dk_acc", ("block_w", "head_dim"), F32),)
-        # transposed: the cotangent, logits and dlogits of one compute block
-        dk_temporaries = (tile_t, tile_t, tile_t) + upcast
-        dk_inputs = (blocks["q"], blocks["k"], blocks["weights_t"], blocks["kv_bounds_t"])
+        dk_temporaries = (grad_stacked_q, logits, tile) + dlogits + k_tile  # tile: the cotangent in float32
         if scaled:
-            dk_inputs += (blocks["k_scale_t"],)
-            dk_scratch += (Buffer("dk_scale_acc", ("block_w", 1), F32),)
-            dk_temporaries += (tile_t,)  # the running weighted relu sum, for dk_scale
+            dk_scratch += (Buffer("dk_scale_acc", (1, "block_w"), F32),)
+            dk_temporaries += (tile,)  # the weighted relu head sum, for dk_scale
         kernels.append(
             KernelPlan(
                 name="dk",
                 grid=dk_grid,
                 # The skip range first (the index maps read it); no w tile range: dk does not skip along j.
                 scalar_prefetch=("q_lo", "q_hi") + q_block_ranges[2:],
-                inputs=dk_inputs + (blocks["g"],),
+                inputs=inputs + (blocks["g"],),
                 outputs=(blocks["dk"],) + ((blocks["dk_scale"],) if scaled else ()),
                 scratch=dk_scratch,
                 temporaries=dk_temporaries,
@@ -319,7 +318,7 @@ def build(variant: Variant) -> VariantPlan:
         sublanes=geometry.sublanes(narrowest),
         mxu_itemsize=mxu_itemsize,
         mxu_operand=policy.mxu_dtype,
-        grad_matmul="plain" if grad_passes == 1 else "split",
+        grad_matmul=grad_matmul,
         kernels=tuple(kernels),
     )
 

@@ -20,6 +20,7 @@ StorageDtype = Literal["float32", "bfloat16"]
 QKDtype = Literal["float32", "bfloat16", "float8_e4m3fn"]
 AccumDtype = Literal["float32", "bfloat16"]
 MatmulPrecision = Literal["default", "highest"]
+GradMatmul = Literal["split", "bf16"]
 FP8 = "float8_e4m3fn"
 
 _NAME = re.compile(r"^[a-z][a-z0-9]*$")
@@ -66,16 +67,16 @@ class Tiling(StrictModel):
     transfers, fine-grained skipping. None: one compute block per tile.
 
     A variant's name shows the tiling as ``q{block_q}_w{block_w}`` followed by each further field that
-    declares a ``name_tag``, as tag and value, unless the value is its ``name_omits`` (so that names
-    that existed before a field did still name the same kernel). Every field reaches the generated
+    declares a ``name_tag``, as tag and value, unless the value is its ``name_omits`` (a value, or the
+    name of the field whose value it then equals). Every field reaches the generated
     modules in ``VARIANT`` (``resolved``): a new one is declared here and read where it is used.
     """
 
     block_q: Annotated[int, Field(ge=1)]
     block_w: Annotated[int, Field(ge=1)]
-    # one 128-lane vreg of compressed blocks per compute step is what names leave out
+    # one compute block per tile is what names leave out
     compute_w: Annotated[int, Field(ge=1)] | None = Field(
-        default=None, json_schema_extra={"name_tag": "c", "name_omits": 128}
+        default=None, json_schema_extra={"name_tag": "c", "name_omits": "block_w"}
     )
 
     @field_validator("compute_w")
@@ -102,7 +103,8 @@ class Tiling(StrictModel):
         part = f"q{self.block_q}_w{self.block_w}"
         for field, info in type(self).model_fields.items():
             extra = info.json_schema_extra or {}
-            if "name_tag" in extra and resolved[field] != extra.get("name_omits"):
+            omits = extra.get("name_omits")
+            if "name_tag" in extra and resolved[field] != resolved.get(omits, omits):
                 part += f"{extra['name_tag']}{resolved[field]}"
         return part
 
@@ -122,6 +124,11 @@ class DtypePolicy(StrictModel):
         default=None, description="None: highest for float32 inputs, default (one MXU pass) otherwise"
     )
     out: StorageDtype
+    grad_matmul: GradMatmul = Field(
+        default="split",
+        description="how bfloat16 and float8 q/k's gradient matmuls take the float32 dlogits: split into a "
+        "bfloat16 head and tail (two MXU passes, float32-accurate) or rounded to bfloat16 (one pass)",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> "DtypePolicy":
@@ -134,6 +141,11 @@ class DtypePolicy(StrictModel):
             raise ValueError("qk float8_e4m3fn needs a per-token key scale: set k_scale: true")
         if self.k_scale and self.qk != FP8:
             raise ValueError(f"k_scale applies to float8_e4m3fn keys only, not qk {self.qk!r}")
+        if self.grad_matmul != "split" and self.qk == "float32":
+            raise ValueError(
+                f"grad_matmul = {self.grad_matmul!r} applies to bfloat16 and float8_e4m3fn q/k only: float32 q/k "
+                "multiply the float32 dlogits as they are, at matmul_precision"
+            )
         return self
 
     @property

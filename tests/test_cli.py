@@ -115,12 +115,13 @@ def test_diff_of_two_variants_is_a_reviewable_unified_diff(capsys):
 
 
 def test_diff_of_two_tilings_is_constants_only(capsys):
-    """A tiling is constants: the two tilings of one variant differ in its name and block sizes only."""
+    """A tiling is constants: the two tilings of one variant differ in its name, block sizes and VMEM limits only."""
     a, b = "tpu_hm_bf16_q128_w1024_hc16", "tpu_hm_bf16_q16_w128_hc16"
     assert cli.main(["diff", str(SPEC_PATH), a, b]) == 1
     changed = [line for line in capsys.readouterr().out.splitlines()[2:] if line[:1] in "+-"]
     constants = re.compile(
-        r'^[+-](BLOCK_[QW] = \d+|    "(name|block_q|block_w)": [^\n]+,|"""[^\n]*variant ``\w+``\.)$'
+        r'^[+-](BLOCK_[QW] = \d+|COMPUTE_W = \d+  #[^\n]*|    "(name|block_q|block_w|compute_w)": [^\n]+,'
+        r'|    vmem_limit_bytes=[^\n]+,|"""[^\n]*variant ``\w+``\.)$'
     )
     assert changed and all(constants.match(line) for line in changed), changed
 

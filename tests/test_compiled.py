@@ -112,16 +112,17 @@ def test_compiled_schedule_of_the_production_kernels(tmp_path):
             m: compiled.kernel_report(plan, kp, kp.name, sched, t, k, *cal)
             for m, k in (("u", unmasked), ("c", causal))
         }
-        # causal skipping: about half the unmasked cycles (the executed MXU work is 0.53 of it)
-        assert 0.45 < rep["c"].cycles / rep["u"].cycles < 0.65, kp.name
-        # no faster than the plain matmul over the same logits, and the MXU does work on the full path
-        assert rep["u"].cycles > rep["u"].calibration_cycles
+        # causal skipping: the executed MXU work is 0.75 of the unmasked (one compute block per tile)
+        assert 0.65 < rep["c"].cycles / rep["u"].cycles < 0.85, kp.name
+        # within reach of the plain matmul over the same logits (which also stores them all), and
+        # the MXU does work on the full path
+        assert rep["u"].cycles > 0.5 * rep["u"].calibration_cycles
         assert rep["u"].occupancy["MXU"] > 0.2
 
     # A template whose branches changed without BRANCHES is refused, naming the kernel.
     sched = schedule.parse(*kernels[f"{PRODUCTION}_dk"])
-    wrong = dataclasses.replace(compiled.BRANCHES[("dk", True)], per_block=(("work", (compiled._PARTIAL,)),))
+    wrong = dataclasses.replace(compiled.BRANCHES[("dk", True)], per_block=(("work", (("partial", ()),)),))
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(compiled.BRANCHES, ("dk", True), wrong)
-        with pytest.raises(compiled.StructureError, match="dk: the step's 10 branch regions hold no run"):
+        with pytest.raises(compiled.StructureError, match=r"dk: the step's \d+ branch regions hold no run"):
             compiled.steps("dk", True, sched, n_blocks)

@@ -45,10 +45,12 @@ def test_seq_major_f32_small():
     assert fwd.hbm_bytes == 328192
     # Min: q 32*2*128*4 = 32768, k 256*128*4 = 131072, weights 32*2*4 = 256, kv 256, out 32*256*4 = 32768.
     assert fwd.min_hbm_bytes == 197120
-    # VMEM: 2 * (16384 + 65536 + 8192 + 8192 + 8192) = 212992, no chunk accumulator, 2 f32 tiles 2*8192.
-    assert fwd.vmem_bytes == 229376
-    # FLOPs: 2*B*H*S*W*D = 2*2*32*256*128 = 4194304, plus 3*H*S*W = 49152 elementwise.
-    assert (fwd.flops, fwd.mxu_flops, fwd.useful_flops) == (4243456, 4194304, 4243456)
+    # VMEM: 2 * (16384 + 65536 + 8192 + 8192 + 8192) = 212992, no chunk accumulator; the stacked q
+    # [2 * 16, 128] f32 16384 and 2 f32 tiles 2*8192.
+    assert fwd.vmem_bytes == 212992 + 16384 + 2 * 8192
+    # FLOPs: 2*B*H*S*W*D = 2*2*32*256*128 = 4194304, plus 3*H*S*W = 49152 elementwise (useful), and
+    # the mask, 6 ops on each of the S*W = 8192 entries of the 4 compute blocks with work: 49152.
+    assert (fwd.flops, fwd.mxu_flops, fwd.useful_flops) == (4243456 + 49152, 4194304, 4243456)
 
     # dq_dweights grid (b, i, j) = (1, 2, 2): as forward, plus g 4 reads, dq 2 and dweights 2 writes.
     # HBM 328192 - 8192*4 (no out) + 4*8192 (g) + 2*16384 (dq) + 2*128 (dweights) = 361216.
@@ -57,22 +59,23 @@ def test_seq_major_f32_small():
     assert dq.hbm_bytes == 361216
     assert dq.min_hbm_bytes == 197120 + 32768 + 256  # + dq + dweights
     # VMEM: 2 * (106496 inputs + 16384 dq + 8192 dweights) = 262144; accumulators f32 [16, 256] 16384 and
-    # [16, 2] -> [16, 128] 8192; 3 f32 tiles 24576. Total 311296.
-    assert dq.vmem_bytes == 311296
-    # f32: one pass per matmul. 2 * 4194304 + 5*2*32*256 = 8388608 + 81920.
-    assert (dq.flops, dq.mxu_flops) == (8470528, 8388608)
+    # [2 heads, 16] -> [8, 128] 4096; a head group's stacked q, logits and dlogits [2, 16, 128] f32
+    # 3 * 16384, the cotangent tile 8192. Total 339968.
+    assert dq.vmem_bytes == 262144 + 16384 + 4096 + 3 * 16384 + 8192
+    # f32: one pass per matmul. 2 * 4194304 + 5*2*32*256 = 8388608 + 81920, and the mask 49152.
+    assert (dq.flops, dq.mxu_flops) == (8470528 + 49152, 8388608)
 
-    # dk reads the weights and bounds laid out along q: [2 heads, 16] f32 and [2, 16] int32, 128
-    # bytes each (VMEM [8, 128] 4096 each). Grid (b, j, i) = (1, 2, 2): q, weights_t, kv_bounds_t, g
-    # follow i (innermost): 4 each; k and dk follow j: 2.
+    # dk reads what dq does. Grid (b, j, i) = (1, 2, 2): q, weights, kv_bounds, g follow i
+    # (innermost): 4 each; k and dk follow j: 2.
     # HBM 4*16384 + 2*65536 + 4*128 + 4*128 + 4*8192 + 2*65536 = 361472.
     assert dk.grid == (1, 2, 2)
-    assert dk.fetches == {"q": 4, "k": 2, "weights_t": 4, "kv_bounds_t": 4, "g": 4, "dk": 2}
+    assert dk.fetches == {"q": 4, "k": 2, "weights": 4, "kv_bounds": 4, "g": 4, "dk": 2}
     assert dk.hbm_bytes == 361472
-    # VMEM: 2 * (16384 + 65536 + 4096 + 4096 + 8192 + 65536 dk) = 327680; accumulator [128, 128] f32
-    # 65536; 3 transposed f32 tiles [compute_w 128, block_q 16], each padded to [128, 128]: 196608.
-    assert dk.vmem_bytes == 589824
-    assert (dk.flops, dk.mxu_flops) == (8388608 + 2 * 16384, 8388608)
+    # VMEM: 2 * (16384 + 65536 + 8192 + 8192 + 8192 + 65536 dk) = 344064; accumulator [128, 128] f32
+    # 65536; as dq, a head group's stacked q, logits, dlogits 3 * 16384 and the cotangent 8192.
+    assert dk.vmem_bytes == 344064 + 65536 + 3 * 16384 + 8192
+    # the dlogits select and multiply, 2 * 16384, and the mask 49152
+    assert (dk.flops, dk.mxu_flops) == (8388608 + 2 * 16384 + 49152, 8388608)
 
 
 def test_head_major_bf16_chunked():
@@ -89,11 +92,13 @@ def test_head_major_bf16_chunked():
     # Min: q 32*256*128*2 = 2097152, k 524288, weights 16384, kv 2048, out 256*2048*2 = 1048576.
     assert fwd.min_hbm_bytes == 3688448
     # VMEM: 2 * (524288 + 262144 + 32768 + 65536 + 262144) = 2293760; the f32 [128, 1024] accumulator
-    # 524288; 2 f32 tiles of one compute block [128, 128]: 2 * 65536.
-    assert fwd.vmem_bytes == 2293760 + 524288 + 2 * 65536
-    assert fwd.vmem_bytes_unpadded == 2 * (524288 + 262144 + 4096 + 1024 + 262144) + 524288 + 2 * 65536
-    # 2*32*256*2048*128 = 2**32 matmul, 3*32*256*2048 = 3 * 2**24 elementwise.
-    assert (fwd.flops, fwd.mxu_flops) == (2**32 + 3 * 2**24, 2**32)
+    # 524288; the chunk's stacked q [16 * 128, 128] bf16 524288; 2 f32 tiles of one compute block
+    # (the whole tile) [128, 1024]: 2 * 524288.
+    assert fwd.vmem_bytes == 2293760 + 524288 + 524288 + 2 * 524288
+    assert fwd.vmem_bytes_unpadded == 2 * (524288 + 262144 + 4096 + 1024 + 262144) + 4 * 524288
+    # 2*32*256*2048*128 = 2**32 matmul, 3*32*256*2048 = 3 * 2**24 elementwise, the mask once on
+    # 256*2048 entries: 6 * 2**19.
+    assert (fwd.flops, fwd.mxu_flops) == (2**32 + 3 * 2**24 + 6 * 2**19, 2**32)
 
     # dq_dweights grid (b, i, c, j) = (1, 2, 2, 2): q, weights, dq, dweights follow c: 4; k, g follow j
     # (innermost): 8; kv 2. HBM 4*524288*2 + 8*262144*2 + 4*4096*2 + 2*1024 = 8423424.
@@ -101,27 +106,29 @@ def test_head_major_bf16_chunked():
     assert dq.hbm_bytes == 8423424
     assert dq.min_hbm_bytes == 2097152 + 524288 + 16384 + 2048 + 1048576 + 2097152 + 16384
     # VMEM: 2 * (1146880 inputs + 524288 dq + 32768 dweights) = 3407872; f32 dq accumulator 1048576,
-    # dweights accumulator [128, 16] -> [128, 128] 65536, 3 f32 compute-block tiles [128, 128] 196608.
-    assert dq.vmem_bytes == 3407872 + 1048576 + 65536 + 196608
-    # bf16: the dq matmul runs as a head and a tail pass: 3 * 2**32 MXU, 5 * 2**24 elementwise.
+    # dweights accumulator [16, 128] 8192; a head group (16): stacked q [16 * 128, 128] bf16 524288,
+    # logits [16, 128, 1024] f32 8388608, dlogits as a bf16 head and tail 2 * 4194304; the cotangent
+    # [128, 1024] f32 524288.
+    assert dq.vmem_bytes == 3407872 + 1048576 + 8192 + 524288 + 8388608 + 2 * 4194304 + 524288
+    # bf16: the dq matmul runs as a head and a tail pass: 3 * 2**32 MXU, 5 * 2**24 elementwise, the
+    # mask per head chunk: 2 * 6 * 2**19.
     assert (dq.flops, dq.mxu_flops, dq.useful_flops) == (
-        3 * 2**32 + 5 * 2**24,
+        3 * 2**32 + 5 * 2**24 + 12 * 2**19,
         3 * 2**32,
         2 * 2**32 + 5 * 2**24,
     )
 
-    # dk reads weights_t [16 heads, 128] bf16 4096 (VMEM 4096) and kv_bounds_t [2, 128] int32 1024
-    # (VMEM [8, 128] 4096). Grid (b, j, i, c) = (1, 2, 2, 2): q, weights_t follow c: 8; kv_bounds_t,
+    # dk reads what dq does. Grid (b, j, i, c) = (1, 2, 2, 2): q, weights follow c: 8; kv_bounds,
     # g follow i: 4; k, dk follow j: 2.
     # HBM 8*524288 + 2*262144 + 8*4096 + 4*1024 + 4*262144 + 2*262144 = 6328320.
     assert dk.grid == (1, 2, 2, 2)
-    assert dk.fetches == {"q": 8, "k": 2, "weights_t": 8, "kv_bounds_t": 4, "g": 4, "dk": 2}
+    assert dk.fetches == {"q": 8, "k": 2, "weights": 8, "kv_bounds": 4, "g": 4, "dk": 2}
     assert dk.hbm_bytes == 6328320
     assert dk.min_hbm_bytes == 2097152 + 524288 + 16384 + 2048 + 1048576 + 524288
-    # VMEM: 2 * (524288 + 262144 + 4096 + 4096 + 262144 + 262144 dk) = 2637824; f32 [1024, 128]
-    # accumulator 524288; 3 transposed f32 compute-block tiles [128, 128]: 196608.
-    assert dk.vmem_bytes == 2637824 + 524288 + 196608
-    assert (dk.flops, dk.mxu_flops) == (3 * 2**32 + 2 * 2**24, 3 * 2**32)
+    # VMEM: 2 * (524288 + 262144 + 32768 + 65536 + 262144 + 262144 dk) = 2818048; f32 [1024, 128]
+    # accumulator 524288; the head group's temporaries as dq's: 17825792.
+    assert dk.vmem_bytes == 2818048 + 524288 + 524288 + 8388608 + 2 * 4194304 + 524288
+    assert (dk.flops, dk.mxu_flops) == (3 * 2**32 + 2 * 2**24 + 12 * 2**19, 3 * 2**32)
 
 
 def test_padding_and_shrinking():
@@ -202,9 +209,9 @@ def test_tiling_matches_generated_modules():
 
 def test_vmem_footprints_are_full_tiles():
     assert cost.vmem_footprints(HM_BF16, 32, 128) == {  # see test_head_major_bf16_chunked
-        "forward": 2293760 + 524288 + 2 * 65536,
-        "dq_dweights": 3407872 + 1048576 + 65536 + 196608,
-        "dk": 2637824 + 524288 + 196608,
+        "forward": 2293760 + 524288 + 524288 + 2 * 524288,
+        "dq_dweights": 3407872 + 1048576 + 8192 + 524288 + 8388608 + 2 * 4194304 + 524288,
+        "dk": 2818048 + 524288 + 524288 + 8388608 + 2 * 4194304 + 524288,
     }
 
 
@@ -225,14 +232,15 @@ def test_chip_facts():
 def test_roofline():
     v6e = chips.get("v6e")
     [fwd, *_] = cost.variant_costs(HM_BF16, (1, 64, 8192, 128, 2048))
-    # 2**38 MXU + 3 * 2**30 elementwise FLOPs at 920e12/s, against 337707008 bytes at 1.64e12 B/s:
-    # compute bound.
-    assert fwd.roofline_seconds(v6e) == pytest.approx((2**38 + 3 * 2**30) / 920e12)
+    # 2**38 MXU + 3 * 2**30 elementwise FLOPs and the mask's 6 * 2**24 at 920e12/s, against 337707008
+    # bytes at 1.64e12 B/s: compute bound.
+    vpu = 3 * 2**30 + 6 * 2**24
+    assert fwd.roofline_seconds(v6e) == pytest.approx((2**38 + vpu) / 920e12)
     assert fwd.memory_seconds(v6e) == pytest.approx(337707008 / 1.64e12)
-    assert fwd.intensity() == pytest.approx((2**38 + 3 * 2**30) / 337707008)
+    assert fwd.intensity() == pytest.approx((2**38 + vpu) / 337707008)
     # f32 inputs run at 1/6 of the bf16 rate.
     [f32_fwd, *_] = cost.variant_costs(family().plan("tpu_hm_f32_q128_w1024_hc16"), (1, 64, 8192, 128, 2048))
-    assert f32_fwd.compute_seconds(v6e) == pytest.approx(2**38 * 6 / 920e12 + 3 * 2**30 / 920e12)
+    assert f32_fwd.compute_seconds(v6e) == pytest.approx(2**38 * 6 / 920e12 + vpu / 920e12)
 
 
 def test_float8_keys_with_scale():
@@ -247,24 +255,25 @@ def test_float8_keys_with_scale():
     assert fwd.blocks["k_scale"] == (1, 1024) and fwd.fetches["k_scale"] == 4
     assert fwd.hbm_bytes == 8 * 262144 + 4 * 131072 + 8 * 4096 + 2 * 1024 + 4 * 4096 + 4 * 262144
     # VMEM: 2 * (262144 + 131072 + 32768 + 65536 + k_scale [1 -> 8, 1024] f32 32768 + 262144) = 1572864;
-    # the f32 accumulator [128, 1024] 524288 and 2 f32 compute-block tiles [128, 128] 131072; bf16
-    # upcasts of a q head [128, 128] 32768 and of a compute block of k [128, 128] 32768.
-    assert fwd.vmem_bytes == 1572864 + 524288 + 131072 + 32768 + 32768
+    # the f32 accumulator [128, 1024] 524288 and 2 f32 compute-block tiles [128, 1024] 1048576; bf16
+    # upcasts of the chunk's stacked q [16 * 128, 128] 524288 and of a compute block of k [1024, 128] 262144.
+    assert fwd.vmem_bytes == 1572864 + 524288 + 1048576 + 524288 + 262144
     # Min bytes of dq_dweights: q 32*256*128*1 = 1048576, k 262144, weights 16384, kv 2048, k_scale 2048*4,
     # g 1048576, dq in bf16 2097152, dweights 16384.
     assert dq.fetches["dq"] == 4
     assert dq.min_hbm_bytes == 1048576 + 262144 + 16384 + 2048 + 8192 + 1048576 + 2097152 + 16384
-    # dk: q 8 x 262144, k 2 x 131072, weights_t 8 x 4096, kv_bounds_t 4 x 1024, the key scales as a
-    # column k_scale_t [1024, 1] f32 2 x 4096, g 4 x 262144; writes dk [1024, 128] bf16 262144 and
-    # dk_scale [1024, 1] f32 4096, twice each.
+    # dk: q 8 x 262144, k 2 x 131072, weights 8 x 4096, kv_bounds 4 x 1024, the key scales k_scale
+    # [1, 1024] f32 2 x 4096, g 4 x 262144; writes dk [1024, 128] bf16 262144 and dk_scale [1, 1024]
+    # f32 4096, twice each.
     assert dk.fetches["dk"] == 2 and dk.fetches["dk_scale"] == 2
     assert dk.hbm_bytes == (
         8 * 262144 + 2 * 131072 + 8 * 4096 + 4 * 1024 + 2 * 4096 + 4 * 262144 + 2 * 262144 + 2 * 4096
     )
     # The MXU runs bf16 (float8 is upcast in VMEM), so the gradient matmul splits: 3 passes of 2**32;
-    # dk also recomputes the weighted relu sum for dk_scale: (2 + 3) * 2**24 elementwise.
+    # dk also recomputes the weighted relu sum for dk_scale: (2 + 3) * 2**24 elementwise; the mask per
+    # head chunk, 2 * 6 * 2**19.
     assert fwd.mxu_itemsize == 2 and dq.mxu_flops == 3 * 2**32
-    assert dk.flops == 3 * 2**32 + 5 * 2**24
+    assert dk.flops == 3 * 2**32 + 5 * 2**24 + 12 * 2**19
 
 
 def test_float32_default_precision_is_one_bf16_pass():

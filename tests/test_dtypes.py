@@ -125,3 +125,29 @@ def test_key_scale_is_rejected_where_keys_carry_none():
     q, k, weights = support.make_inputs(module.VARIANT, (1, 16, 8, 64, 130), seed=0)
     with pytest.raises(ValueError, match=r"^k_scale applies to float8 variants only"):
         module.score(q, k, weights, k_scale=jnp.ones((1, 130)), interpret=True)
+
+
+@pytest.mark.parametrize("dims", ["CONTRACT_INNER", "CONTRACT_FIRST"])
+def test_gradient_matmul_modes(dims):
+    """grad_matmul "split" keeps float32 dlogits to float32 accuracy (a bfloat16 head and tail); "bf16"
+    is exactly one pass of dlogits rounded to bfloat16, about 2**-9 relative."""
+    from generated.csa_v4 import _runtime
+
+    kl, kr = jax.random.split(jax.random.key(3))
+    lhs = jax.random.normal(kl, (256, 256), jnp.float32)  # dlogits
+    rhs = jax.random.normal(kr, (256, 128), jnp.bfloat16)  # k, or the stacked q
+    numbers = getattr(_runtime, dims)
+    lhs64, rhs64 = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
+    exact = lhs64 @ rhs64 if dims == "CONTRACT_INNER" else lhs64.T @ rhs64
+
+    def run(mode):
+        cfg = _runtime.Config({}, 8, None, mode, {}, {})
+        return np.asarray(_runtime.grad_matmul(cfg, lhs, rhs, numbers), np.float64)
+
+    def error(x):
+        return np.linalg.norm(x - exact) / np.linalg.norm(exact)
+
+    rounded = np.asarray(lhs.astype(jnp.bfloat16), np.float64)
+    one_pass = rounded @ rhs64 if dims == "CONTRACT_INNER" else rounded.T @ rhs64
+    np.testing.assert_allclose(run("bf16"), one_pass, rtol=1e-5, atol=1e-4)
+    assert error(run("split")) < 1e-5 < 1e-3 < error(run("bf16")) < 4e-3

@@ -104,6 +104,14 @@ CASES = {
         _set("dtype_policies.bf16.k_scale", True),
         ["dtype_policies.bf16", "k_scale applies to float8_e4m3fn keys only"],
     ),
+    "one_pass_gradient_matmul_on_float32": (
+        _set("dtype_policies.f32.grad_matmul", "bf16"),
+        ["dtype_policies.f32", "grad_matmul = 'bf16' applies to bfloat16 and float8_e4m3fn q/k only"],
+    ),
+    "unknown_gradient_matmul": (
+        _set("dtype_policies.bf16.grad_matmul", "fp8"),
+        ["dtype_policies.bf16.grad_matmul = 'fp8'", "'split' or 'bf16'"],
+    ),
     "fp8_without_float32_accumulation": (
         _set("dtype_policies.fp8.accum", "bfloat16"),
         ["dtype_policies.fp8", "float8_e4m3fn q/k need float32 accumulation"],
@@ -207,12 +215,32 @@ def test_names_are_stable_and_readable():
 def test_a_tiling_that_differs_only_in_compute_w_renders_under_its_own_name():
     def edit(data):
         data["tilings"]["prod256"] = {"block_q": 128, "block_w": 1024, "compute_w": 256}
+        data["tilings"]["prod1024"] = {"block_q": 128, "block_w": 1024, "compute_w": 1024}
         data["variants"]["matrix"]["tiling"].append("prod256")
 
     found = {v.name: v for v in pipeline.build(load.parse(edited(edit), "spec.yaml")).variants}
-    assert found["tpu_hm_bf16_q128_w1024_hc16"].compute_w == 128  # today's names, unchanged
+    # one compute block per tile (the default, or compute_w == block_w) is what a name leaves out
+    assert found["tpu_hm_bf16_q128_w1024_hc16"].compute_w == 1024
     assert found["tpu_hm_bf16_q128_w1024c256_hc16"].compute_w == 256
     assert found["tpu_hm_bf16_q128_w1024c256_hc16"].tiles.compute_w == 256
+    spec = load.parse(edited(edit), "spec.yaml")
+    assert spec.tilings["prod1024"].name_part() == spec.tilings["prod"].name_part() == "q128_w1024"
+
+
+def test_grad_matmul_sets_the_gradient_passes():
+    """split: a bfloat16 head and tail of dlogits (two MXU passes); bf16: one; float32 q/k: one, plain."""
+
+    def edit(data):
+        data["dtype_policies"]["bf16"]["grad_matmul"] = "bf16"
+
+    shipped_plans = pipeline.build(load.parse(edited(lambda d: None), "spec.yaml"))
+    one_pass = pipeline.build(load.parse(edited(edit), "spec.yaml"))
+    name = "tpu_hm_bf16_q128_w1024_hcall"
+    split, rounded = shipped_plans.plan(name), one_pass.plan(name)
+    assert (split.grad_matmul, rounded.grad_matmul) == ("split", "bf16")
+    for kernel in ("dq_dweights", "dk"):
+        assert split.kernel(kernel).work.mxu_passes == 3 and rounded.kernel(kernel).work.mxu_passes == 2
+    assert shipped_plans.plan("tpu_hm_f32_q128_w1024_hcall").grad_matmul == "plain"
 
 
 def test_two_variants_of_one_name_are_an_error_naming_both():

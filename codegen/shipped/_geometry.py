@@ -35,6 +35,13 @@ def sublanes(dtype):
     return SUBLANES_BY_ITEMSIZE[itemsize(dtype)]
 
 
+# Heads the backward kernels stack against one key block per matmul. The gradient matmul contracts
+# dlogits over the compute block, so a group's logits are held whole: [16 * 128, 1024] float32 is
+# 8 MiB at the production tiling, where all 64 heads would not fit 7x's VMEM beside the blocks. The
+# keys are pushed into the MXU once per group: 4 times a step for 64 heads, not 64.
+GRAD_HEAD_GROUP = 16
+
+
 def vmem_limit(need, scoped_default):
     """The ``vmem_limit_bytes`` a kernel needing ``need`` bytes asks for: None when the default scope holds it."""
     return None if need <= scoped_default else round_up(int(need * VMEM_HEADROOM), MIB)
@@ -84,11 +91,16 @@ def block_kind(any_lo, any_hi, all_lo, all_hi, lo, hi):
     """(empty, full) of the compressed blocks ``[lo, hi)`` for a q block with these bounds.
 
     Empty: no query of the q block may see any of them, so they do no work at all. Full: every
-    query sees every one of them, so no mask is built. Neither: partial, the only case that masks.
+    query sees every one of them. Neither: partial. The kernels branch on empty only and mask every
+    block with work; the cost model and ``explain`` report all three.
     """
-    empty = (hi <= any_lo) | (any_hi <= lo)
     full = (all_lo <= lo) & (hi <= all_hi)
-    return empty, full
+    return block_empty(any_lo, any_hi, lo, hi), full
+
+
+def block_empty(any_lo, any_hi, lo, hi):
+    """Whether no query of a q block with these bounds may see any of the compressed blocks ``[lo, hi)``."""
+    return (hi <= any_lo) | (any_hi <= lo)
 
 
 # The sparse kernels (``sparse_score``): grid (batch, q block of SPARSE_BLOCK_Q queries), k of one batch

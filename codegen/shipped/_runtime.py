@@ -27,6 +27,7 @@ MASKED_VALUE = _family.MASKED_VALUE  # every entry a query may not see
 DEFAULT_SOFTMAX_SCALE = _family.DEFAULT_SOFTMAX_SCALE  # None: head_dim ** -0.5, taken from q at call time
 ACCUM_DTYPE = jnp.float32  # every dtype policy accumulates in float32
 SPARSE_BLOCK_Q = _geometry.SPARSE_BLOCK_Q  # queries per grid step of the sparse kernels
+GRAD_HEAD_GROUP = _geometry.GRAD_HEAD_GROUP  # heads per matmul of the backward kernels
 tiles = _geometry.tiles  # a call's (block_q, block_w), shrunk to the problem
 # q_h [rows, D] . k [cols, D]^T: contract the last dimension of both.
 CONTRACT_LAST = (((1,), (1,)), ((), ()))
@@ -165,10 +166,10 @@ class Config(NamedTuple):
     variant: dict
     sublanes: int  # row granule of a shrunk q block: the native tiling of the narrowest q-row dtype
     precision: jax.lax.Precision  # of the logits matmuls
-    grad_matmul: (
-        str  # "split": float32 dlogits as a head and a tail of the MXU type, two passes; "plain": one
-    )
-    work: dict  # kernel -> (MXU passes of a logits-sized matmul, elementwise ops) per (head, query, block)
+    grad_matmul: str  # float32 dlogits meet the MXU "split" (two passes), "bf16" (one) or "plain" (float32)
+    # kernel -> (MXU passes of a logits-sized matmul, elementwise ops) per (head, query, block), (mask
+    # ops per (query, block), whether per head chunk)
+    work: dict
     vmem_limit_bytes: dict  # kernel -> the scoped VMEM it is compiled with (None: the chip's default)
 
     @property
@@ -248,10 +249,6 @@ class Operands(NamedTuple):
     block_w: int
     compute_w: int  # compressed blocks per compute step inside a block_w tile
     heads: int  # heads per grid step
-    # Laid out along q for the dk kernel's transposed tiles (``along_q``); None until then.
-    weights_t: jax.Array | None = None  # [B, S_pad // block_q, H, block_q]
-    kv_bounds_t: jax.Array | None = None  # [B, S_pad // block_q, 2, block_q] int32
-    k_scale_t: jax.Array | None = None  # [B, W_pad, 1] float32: a column of per-key scales per w tile
 
     @property
     def num_q_blocks(self):
@@ -266,10 +263,9 @@ class Operands(NamedTuple):
         return self.num_heads // self.heads
 
 
-def prepare(cfg, q, k, weights, kv_start, kv_end, k_scale, for_dk=False):
+def prepare(cfg, q, k, weights, kv_start, kv_end, k_scale):
     """The kernel-ready ``Operands`` of a checked call to the variant ``cfg``: padded to whole tiles,
-    with tile ranges; ``for_dk``: also the weights, bounds and key scales the dk kernel's transposed
-    tiles read."""
+    with tile ranges."""
     variant = cfg.variant
     # An input upcast to float32 (to have its gradient summed over mesh axes in float32: see
     # vary_together) goes back to the variant's dtype, exactly; otherwise these do nothing.
@@ -285,7 +281,6 @@ def prepare(cfg, q, k, weights, kv_start, kv_end, k_scale, for_dk=False):
     else:
         q = pad_to(q, 1, seq_pad).reshape(batch, seq_pad, num_heads * head_dim)  # a free reshape
     weights = pad_to(weights, 1, seq_pad)
-    weights_t = along_q(weights, block_q) if for_dk else None
     chunk = variant["head_chunk"] or num_heads
     if variant["head_chunk"]:
         # [B, S, H] -> [B, H // chunk, S, chunk]: a copy of S * H elements, far below S * W.
@@ -293,14 +288,12 @@ def prepare(cfg, q, k, weights, kv_start, kv_end, k_scale, for_dk=False):
     kv_start, kv_end = kv_bounds(kv_start, kv_end, num_blocks, seq_pad)
     ranges = tile_ranges(kv_start, kv_end, block_q, block_w, blocks_pad // block_w)
     bounds = jnp.stack([kv_start, kv_end], axis=-1)
-    k_scale_t = None
-    if k_scale is not None:  # one row of per-key scales per w tile; for dk, a column
-        k_scale = pad_to(k_scale, 1, blocks_pad)
-        k_scale, k_scale_t = k_scale[:, None, :], (k_scale[:, :, None] if for_dk else None)
+    if k_scale is not None:  # one row of per-key scales per w tile
+        k_scale = pad_to(k_scale, 1, blocks_pad)[:, None, :]
     return Operands(
         q, pad_to(k, 1, blocks_pad), weights, bounds, k_scale, ranges,
         batch, num_heads, seq_len, num_blocks, head_dim, seq_pad, blocks_pad, block_q, block_w, cfg.compute_w,
-        chunk, weights_t, along_q(bounds, block_q) if for_dk else None, k_scale_t,
+        chunk,
     )  # fmt: skip
 
 
@@ -395,33 +388,33 @@ class ComputeBlock(NamedTuple):
     cols: slice  # its columns in the tile (static)
     lo: jax.Array  # its first compressed block
     work: jax.Array  # bool: some query of the q block may see some of it (else: no matmul, no elementwise op)
-    partial: jax.Array  # bool: work, but not every query sees all of it: only then is a mask built
 
 
 def compute_blocks(bounds_refs, row, j, block_w, compute_w):
-    """The compute blocks of w tile ``j``, classified (``_geometry.block_kind``) by the four bounds of the q block
-    at ``row`` of the flattened per-q-block arrays: (any_lo, any_hi, all_lo, all_hi) refs."""
-    bounds = [ref[row] for ref in bounds_refs]
+    """The compute blocks of w tile ``j``, each with work unless ``_geometry.block_empty`` by the bounds of
+    the q block at ``row`` of the flattened per-q-block arrays: (any_lo, any_hi, all_lo, all_hi) refs.
+    Only an empty block is branched on: a block with work is masked whether or not it needs it (a
+    select per entry costs fewer bundles than the branch that would skip it)."""
+    any_lo, any_hi = bounds_refs[0][row], bounds_refs[1][row]
     for n in range(block_w // compute_w):
         lo = j * block_w + n * compute_w
-        empty, full = _geometry.block_kind(*bounds, lo, lo + compute_w)
-        work = jnp.logical_not(empty)
-        yield ComputeBlock(slice(n * compute_w, (n + 1) * compute_w), lo, work, work & jnp.logical_not(full))
+        empty = _geometry.block_empty(any_lo, any_hi, lo, lo + compute_w)
+        yield ComputeBlock(slice(n * compute_w, (n + 1) * compute_w), lo, jnp.logical_not(empty))
 
 
-def mask_partial(block, x, kv_bounds_ref, fill, transposed=False):
+def mask(block, x, kv_bounds_ref, fill):
     """``x`` [block_q, compute_w] where query row r may see compressed block ``block.lo + col``, ``fill``
-    elsewhere; ``transposed``: the same for ``x`` [compute_w, block_q] (compressed block, query) and
-    the bounds laid out along q, ``kv_bounds_ref`` [2, block_q] rather than [block_q, 2]. The mask is
-    built only in a partial block; in a full one ``x`` passes through."""
+    elsewhere."""
+    bounds = kv_bounds_ref[...]  # kv_start, kv_end of each query
+    blocks = block.lo + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+    return jnp.where((bounds[:, 0:1] <= blocks) & (blocks < bounds[:, 1:2]), x, fill)
 
-    def masked(x):
-        bounds = kv_bounds_ref[...]  # kv_start, kv_end of each query
-        start, end = (bounds[0:1, :], bounds[1:2, :]) if transposed else (bounds[:, 0:1], bounds[:, 1:2])
-        blocks = block.lo + jax.lax.broadcasted_iota(jnp.int32, x.shape, 0 if transposed else 1)
-        return jnp.where((start <= blocks) & (blocks < end), x, fill)
 
-    return jax.lax.cond(block.partial, masked, lambda x: x, x)
+def head_groups(heads):
+    """Static slices of ``heads`` heads, GRAD_HEAD_GROUP at a time: the backward kernels stack a group
+    against the key block per matmul, so only a group's logits and dlogits are held at once."""
+    for start in range(0, heads, GRAD_HEAD_GROUP):
+        yield slice(start, min(start + GRAD_HEAD_GROUP, heads))
 
 
 def accumulate(acc_ref, cols, value, first):
@@ -436,22 +429,10 @@ def accumulate(acc_ref, cols, value, first):
         acc_ref[:, cols] += value
 
 
-def along_q(x, block_q):
-    """``x`` [B, S_pad, n] laid out as [B, S_pad // block_q, n, block_q]: a q block's rows along lanes,
-    for a kernel computing transposed tiles. A copy of S * n elements, far below S * W."""
-    batch, seq_pad, n = x.shape
-    return x.reshape(batch, seq_pad // block_q, block_q, n).transpose(0, 1, 3, 2)
-
-
-def dlogits(logits, g, weights_h):
-    """d score / d logits of one head: g * weights_h where the logit is positive (relu' = 1[x > 0]), else 0."""
-    return jnp.where(logits > 0.0, g * weights_h, 0.0)
-
-
-def matmul(lhs, rhs, precision):
-    """lhs [m, n] . rhs [n, p] in float32, both operands of one type."""
+def matmul(lhs, rhs, precision, dimension_numbers=CONTRACT_INNER):
+    """lhs . rhs in float32 (an ordinary lhs [m, n] . rhs [n, p] by default), both operands of one type."""
     return jax.lax.dot_general(
-        lhs, rhs, CONTRACT_INNER, precision=precision, preferred_element_type=ACCUM_DTYPE
+        lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=ACCUM_DTYPE
     )
 
 
@@ -465,17 +446,18 @@ def split_matmul(lhs, rhs, dimension_numbers=CONTRACT_INNER):
     """
     head = lhs.astype(rhs.dtype)
     tail = (lhs - head.astype(lhs.dtype)).astype(rhs.dtype)
-    return jax.lax.dot_general(
-        head, rhs, dimension_numbers, preferred_element_type=ACCUM_DTYPE
-    ) + jax.lax.dot_general(tail, rhs, dimension_numbers, preferred_element_type=ACCUM_DTYPE)
+    return matmul(head, rhs, None, dimension_numbers) + matmul(tail, rhs, None, dimension_numbers)
 
 
-def grad_matmul(cfg, lhs, rhs):
-    """float32 dlogits ``lhs`` [m, n] . ``rhs`` [n, p] (k or a q head) in float32, as the variant's plan
-    says: split into two passes of the MXU type, or one at the variant's precision."""
+def grad_matmul(cfg, lhs, rhs, dimension_numbers=CONTRACT_INNER):
+    """float32 dlogits ``lhs`` against ``rhs`` (k, or the stacked q) in float32, as the variant's plan
+    says: "split" into a head and a tail of the MXU type (two passes, float32-accurate), "bf16": rounded
+    to it (one pass), or "plain": one pass at the variant's precision (float32 operands)."""
     if cfg.grad_matmul == "split":
-        return split_matmul(lhs, rhs)
-    return matmul(lhs, rhs, cfg.precision)
+        return split_matmul(lhs, rhs, dimension_numbers)
+    if cfg.grad_matmul == "bf16":
+        return matmul(lhs.astype(rhs.dtype), rhs, None, dimension_numbers)
+    return matmul(lhs, rhs, cfg.precision, dimension_numbers)
 
 
 # Cost estimates, so XLA can schedule around each pallas_call.
@@ -487,16 +469,18 @@ def cost_estimate(grid_axes, grid, blocks, work, x):
     Compute blocks and tiles skipped under a mask are not discounted.
 
     ``blocks``: (BlockSpec, array or ShapeDtypeStruct, grid axes its index follows) per operand;
-    ``work``: (MXU passes of a logits-sized matmul, elementwise operations) per entry.
+    ``work``: (MXU passes of a logits-sized matmul, elementwise operations) per entry, and the mask's
+    operations per (query, compressed block), built per head chunk or once.
     """
     moved = 0
     for spec, array, follows in blocks:
         fetches = _geometry.block_fetches(grid, [grid_axes.index(a) for a in follows if a in grid_axes])
         block = [d for d in spec.block_shape if isinstance(d, int)]
         moved += fetches * math.prod(block) * jnp.dtype(array.dtype).itemsize
-    mxu_passes, vpu_ops = work
+    mxu_passes, vpu_ops, mask_ops, mask_per_chunk = work
     entries = x.batch * x.num_heads * x.seq_pad * x.blocks_pad
-    flops = entries * (2 * x.head_dim * mxu_passes + vpu_ops)
+    masks = x.batch * x.seq_pad * x.blocks_pad * mask_ops * (x.num_chunks if mask_per_chunk else 1)
+    flops = entries * (2 * x.head_dim * mxu_passes + vpu_ops) + masks
     return pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=moved)
 
 

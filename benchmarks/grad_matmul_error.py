@@ -1,0 +1,79 @@
+"""The gradient error of each ``grad_matmul`` mode (dtype policy), against a float64 reference.
+
+The backward kernels hold dlogits in float32 and multiply them with bfloat16 k (for dq) or the stacked
+bfloat16 q (for dk) on the MXU. ``split`` sends them as a bfloat16 head and tail (two passes,
+float32-accurate); ``bf16`` rounds them to bfloat16 (one pass). This runs the shipped
+``_runtime.grad_matmul`` on the kernels' own operands (heads stacked, causal mask applied) and reports
+the relative Frobenius error of dq and dk against float64, before and after the bfloat16 rounding of
+the returned gradient, beside the error that rounding alone makes.
+
+    python benchmarks/grad_matmul_error.py [--seq-len S] [--blocks W] [--heads H]
+
+The default is DeepSeek-V4's heads and head dim (64 x 128) at S = 2048, W = 512, causal at compress
+rate 4: the error is per element of dlogits, so a longer sequence changes it little, and the float64
+reference of the full V4 shape (8192 x 2048) does not fit a CI machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from generated.csa_v4 import _runtime
+
+
+def rel(x, ref) -> float:
+    return float(np.linalg.norm(np.asarray(x, np.float64) - ref) / np.linalg.norm(ref))
+
+
+def fmt(error: float) -> str:
+    """Three digits; below 1e-6 (float32 summation order, which varies with the XLA version) a bound."""
+    return f"{error:.2e}" if error >= 1e-6 else "   <1e-06"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--blocks", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=64)
+    parser.add_argument("--head-dim", type=int, default=128)
+    args = parser.parse_args(argv)
+    H, S, D, W = args.heads, args.seq_len, args.head_dim, args.blocks
+    kq, kk, kw, kg = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(kq, (H * S, D), jnp.bfloat16)  # heads stacked along rows, as the kernels do
+    k = jax.random.normal(kk, (W, D), jnp.bfloat16)
+    weights = jax.random.normal(kw, (H, S, 1), jnp.bfloat16).astype(jnp.float32)
+    g = jax.random.normal(kg, (S, W), jnp.bfloat16).astype(jnp.float32)
+    visible = np.arange(W)[None, :] < ((np.arange(S) + 1) // _runtime.COMPRESS_RATE)[:, None]
+    g = jnp.where(visible, g, 0.0)  # masked entries get no gradient
+
+    logits = jnp.dot(q, k.T, preferred_element_type=jnp.float32).reshape(H, S, W)  # exact products
+    dlogits = jnp.where(logits > 0.0, g * weights, 0.0).reshape(H * S, W)
+    d64, q64, k64 = (np.asarray(a, np.float64) for a in (dlogits, q, k))
+    ref = {"dq": d64 @ k64, "dk": d64.T @ q64}
+    rounded_ref = {
+        n: rel(np.asarray(jnp.asarray(r, jnp.float32).astype(jnp.bfloat16)), r) for n, r in ref.items()
+    }
+    print(
+        f"H, S, D, W = {H}, {S}, {D}, {W}; causal, compress rate {_runtime.COMPRESS_RATE}; bf16 q, k, weights, g"
+    )
+    print("relative Frobenius error against float64: float32 result / returned in bfloat16 (rounding alone)")
+    for mode in ("split", "bf16"):
+        cfg = SimpleNamespace(grad_matmul=mode, precision=None)
+        out = {
+            "dq": _runtime.grad_matmul(cfg, dlogits, k, _runtime.CONTRACT_INNER),
+            "dk": _runtime.grad_matmul(cfg, dlogits.T, q, _runtime.CONTRACT_INNER),
+        }
+        cells = [
+            f"{n} {fmt(rel(x, ref[n]))} / {fmt(rel(x.astype(jnp.bfloat16), ref[n]))} ({fmt(rounded_ref[n])})"
+            for n, x in out.items()
+        ]
+        print(f"  {mode:5s}  " + "   ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
