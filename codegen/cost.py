@@ -83,7 +83,7 @@ def tiling(plan: VariantPlan, shape: tuple[int, int, int, int, int]) -> Tiling:
         p,
         block_q,
         block_w,
-        plan.compute_w,
+        geometry.call_compute_w(block_w, plan.compute_w),
         heads,
         geometry.round_up(p.seq_len, block_q),
         geometry.round_up(p.num_blocks, block_w),

@@ -164,7 +164,7 @@ def _forward_kernel(
         @pl.when(jnp.logical_not(block.work) & last)
         def _store_masked():
             out_ref[:, block.cols] = jnp.full(
-                (out_ref.shape[0], cfg.compute_w), _runtime.MASKED_VALUE, out_ref.dtype
+                (out_ref.shape[0], block.width), _runtime.MASKED_VALUE, out_ref.dtype
             )
 
 

@@ -52,8 +52,15 @@ def vmem_limit(need, scoped_default):
 def tiles(seq_len, num_blocks, block_q, block_w, compute_w, sublanes):
     """A call's (block_q, block_w): the variant's, shrunk when the problem is smaller than a tile (rows
     to the ``sublanes`` granule of the narrowest q-row dtype, columns to whole compute blocks, which
-    are whole 128-lane groups)."""
-    return min(block_q, round_up(seq_len, sublanes)), min(block_w, round_up(num_blocks, compute_w))
+    are whole 128-lane groups; a tile that is one compute block shrinks to whole lane groups, and its
+    compute block with it: ``call_compute_w``)."""
+    granule = compute_w if compute_w < block_w else LANES
+    return min(block_q, round_up(seq_len, sublanes)), min(block_w, round_up(num_blocks, granule))
+
+
+def call_compute_w(block_w, compute_w):
+    """A call's compute width: the variant's, or the whole tile where ``tiles`` shrank it below that."""
+    return min(compute_w, block_w)
 
 
 def block_fetches(grid, moving):

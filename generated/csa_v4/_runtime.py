@@ -294,7 +294,8 @@ def prepare(cfg, q, k, weights, kv_start, kv_end, k_scale):
         k_scale = pad_to(k_scale, 1, blocks_pad)[:, None, :]
     return Operands(
         q, pad_to(k, 1, blocks_pad), weights, bounds, k_scale, ranges,
-        batch, num_heads, seq_len, num_blocks, head_dim, seq_pad, blocks_pad, block_q, block_w, cfg.compute_w,
+        batch, num_heads, seq_len, num_blocks, head_dim, seq_pad, blocks_pad, block_q, block_w,
+        _geometry.call_compute_w(block_w, cfg.compute_w),
         chunk,
     )  # fmt: skip
 
@@ -391,6 +392,11 @@ class ComputeBlock(NamedTuple):
     lo: jax.Array  # its first compressed block
     work: jax.Array  # bool: some query of the q block may see some of it (else: no matmul, no elementwise op)
 
+    @property
+    def width(self):
+        """Its compressed blocks: the call's compute width (``_geometry.call_compute_w``)."""
+        return self.cols.stop - self.cols.start
+
 
 def compute_blocks(bounds_refs, row, j, block_w, compute_w):
     """The compute blocks of w tile ``j``, each with work unless ``_geometry.block_empty`` by the bounds of
@@ -398,6 +404,7 @@ def compute_blocks(bounds_refs, row, j, block_w, compute_w):
     Only an empty block is branched on: a block with work is masked whether or not it needs it (a
     select per entry costs fewer bundles than the branch that would skip it)."""
     any_lo, any_hi = bounds_refs[0][row], bounds_refs[1][row]
+    compute_w = _geometry.call_compute_w(block_w, compute_w)
     for n in range(block_w // compute_w):
         lo = j * block_w + n * compute_w
         empty = _geometry.block_empty(any_lo, any_hi, lo, lo + compute_w)
