@@ -243,6 +243,8 @@ def build(variant: Variant) -> VariantPlan:
     else:
         grad_matmul, grad_passes = policy.grad_matmul, 2 if policy.grad_matmul == "split" else 1
     dlogits = (Buffer("dlogits", ("grad_heads", "block_q", "compute_w"), policy.mxu_dtype),) * grad_passes
+    whole_logits = (Buffer("logits", ("heads", "block_q", "compute_w"), F32),)
+    highest_f32 = policy.mxu_dtype == F32 and policy.precision == "highest"
     grad_stacked_q = Buffer("stacked_q", ("grad_heads", "block_q", "head_dim"), policy.mxu_dtype)
     inputs = tuple(
         blocks[n] for n in ("q", "k", "weights", "kv_bounds", "k_scale") if n != "k_scale" or scaled
@@ -260,8 +262,10 @@ def build(variant: Variant) -> VariantPlan:
             inputs=inputs,
             outputs=(blocks["out"],),
             scratch=(Buffer("acc", ("block_q", "block_w"), F32),) if chunked else (),
-            # the logits stream out of the MXU into the head sum: only that sum and the scores are whole
-            temporaries=(stacked_q, tile, tile) + k_tile,
+            # the logits stream out of the MXU into the head sum: only that sum and the scores are whole,
+            # except at HIGHEST, where float32 operands go as bfloat16 passes and the compiler holds the
+            # block's logits whole (7x: the all-heads 128 x 1024 float32 forward needs over 32 MiB)
+            temporaries=(stacked_q, tile, tile) + k_tile + (whole_logits if highest_f32 else ()),
             skip=_skip(forward_grid, "j", "i", "w_lo", "w_hi"),
             # relu, weight multiply, head sum; the mask once, on the scores
             work=Work(mxu_passes=1, vpu_ops=3, useful_passes=1, mask_per_chunk=False),

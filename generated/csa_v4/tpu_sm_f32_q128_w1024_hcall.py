@@ -57,7 +57,7 @@ CONFIG = _runtime.Config(  # the kernel plan's facts the shared kernels take fro
     # Per kernel and (head, query, block) entry: MXU passes of a logits-sized matmul, elementwise operations.
     work={"forward": (1, 3, 6, False), "dq_dweights": (2, 5, 6, True), "dk": (2, 2, 6, True)},
     # Scoped VMEM to compile each kernel with (None: the chip's default); codegen sized it for v5e, v5p, v6e, 7x.
-    vmem_limit_bytes={"forward": None, "dq_dweights": 52428800, "dk": 38797312},
+    vmem_limit_bytes={"forward": 62914560, "dq_dweights": 52428800, "dk": 38797312},
 )
 
 
