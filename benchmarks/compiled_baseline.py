@@ -21,7 +21,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from codegen import compiled, pipeline, tpu_compile  # noqa: E402
 
-PRODUCTION = ("tpu_hm_bf16_q128_w1024_hcall", "tpu_sm_bf16_q128_w1024_hcall", "tpu_sm_bf16_q128_w1024_hc16")
+PRODUCTION = (
+    "tpu_hm_bf16_q256_w1024c512_hcall",
+    "tpu_sm_bf16_q256_w1024c512_hcall",
+    "tpu_sm_bf16_q256_w1024c512_hc16",
+)
 UNITS = ("MXU", "XLU", "VALU", "VLOAD", "VSTORE")
 # MaxText's forward kernel (the seed PR's csa_streamindex.py: heads stacked, no branches, no skipping),
 # compiled at the V4 shape: bundles of its grid step, which covers 64 heads x 128 queries x 1024 blocks.
@@ -58,16 +62,17 @@ def main(argv=None) -> int:
         "x matmul: over a plain Pallas matmul of the same depth, operand type and output dtype, as many logits"
     )
     print("busiest unit: the largest slot occupancy of the full path, among " + ", ".join(UNITS))
-    header = f"{'variant':30s} {'chip':4s} {'kernel':12s} {'mask':9s} {'Mcycles':>8s} {'x matmul':>8s}  busiest unit"
+    width = max(len(p.name) for p in plans)
+    header = f"{'variant':{width}s} {'chip':4s} {'kernel':12s} {'mask':9s} {'Mcycles':>8s} {'x matmul':>8s}  busiest unit"
     print(header)
     totals: dict[tuple[str, str, str], list[float]] = {}
     for r in rows:
         if not r.ok:
-            print(f"{r.variant:30s} {r.chip:4s} {r.kernel:12s} {r.mask:9s} DOES NOT COMPILE: {r.error}")
+            print(f"{r.variant:{width}s} {r.chip:4s} {r.kernel:12s} {r.mask:9s} DOES NOT COMPILE: {r.error}")
             continue
         k = r.report
         unit = max(UNITS, key=lambda u: k.occupancy[u])
-        print(f"{r.variant:30s} {r.chip:4s} {r.kernel:12s} {r.mask:9s} {k.cycles / 1e6:8.2f} "
+        print(f"{r.variant:{width}s} {r.chip:4s} {r.kernel:12s} {r.mask:9s} {k.cycles / 1e6:8.2f} "
               f"{k.cycles / k.calibration_cycles:8.2f}  {unit} {k.occupancy[unit]:.0%}")  # fmt: skip
         total = totals.setdefault((r.variant, r.chip, r.mask), [0, 0])
         total[0] += k.cycles
@@ -75,7 +80,7 @@ def main(argv=None) -> int:
     print("forward + gradient (forward, dq_dweights, dk):")
     for (variant, chip, mask), (cycles, calib) in totals.items():
         print(
-            f"{variant:30s} {chip:4s} {'all three':12s} {mask:9s} {cycles / 1e6:8.2f} {cycles / calib:8.2f}"
+            f"{variant:{width}s} {chip:4s} {'all three':12s} {mask:9s} {cycles / 1e6:8.2f} {cycles / calib:8.2f}"
         )
     print(
         "a grid step on the full path, in bundles, and per 64 heads x 128 queries x 1024 blocks against MaxText's "
@@ -87,7 +92,7 @@ def main(argv=None) -> int:
             per_step = (plan.head_chunk or shape[1]) * plan.block_q * plan.block_w  # logits a step covers
             scaled = r.report.executed * MAXTEXT_LOGITS / per_step
             print(
-                f"{r.variant:30s} {r.chip:4s} {r.kernel:12s} {r.report.executed:8,d} {scaled / MAXTEXT_STEP[r.chip]:6.2f}x"
+                f"{r.variant:{width}s} {r.chip:4s} {r.kernel:12s} {r.report.executed:8,d} {scaled / MAXTEXT_STEP[r.chip]:6.2f}x"
             )
     return 0
 

@@ -34,7 +34,7 @@ from generated.csa_v4 import VARIANTS, _geometry
 
 SHAPES = ((8192, 2048, 512), (65536, 16384, 1024))  # S, W, top_k
 HEADS, HEAD_DIM, BATCH = 64, 128, 1
-DEFAULT_VARIANT = "tpu_sm_bf16_q128_w1024_hc16"
+DEFAULT_VARIANT = "tpu_sm_bf16_q256_w1024c512_hc16"
 STEP_SECONDS = 0.35e-6
 CHIP = "v6e"
 

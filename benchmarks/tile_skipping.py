@@ -18,7 +18,10 @@ from codegen import cost
 from codegen.pipeline import load_family
 
 SPEC = pathlib.Path(__file__).resolve().parent.parent / "specs" / "csa_v4.yaml"
-DEFAULT_VARIANTS = ("tpu_hm_bf16_q128_w1024_hc16", "tpu_hm_bf16_q16_w128_hc16")  # production, small tiling
+DEFAULT_VARIANTS = (
+    "tpu_hm_bf16_q256_w1024c512_hc16",
+    "tpu_hm_bf16_q16_w128_hc16",
+)  # production, small tiling
 
 
 def main(argv=None) -> None:
@@ -31,8 +34,9 @@ def main(argv=None) -> None:
     family = load_family(SPEC)
     rate, model = family.spec.computation.compress_rate, family.spec.model
     print(f"causal CSA, compress rate {rate}, S = {args.seq_len}, W = {args.blocks}")
+    width = max(len(name) for name in names)
     print(
-        f"{'variant':28s} {'q x w / compute':>16s} {'DMA tiles':>9s} {'skipped':>8s} {'pairs':>6s}"
+        f"{'variant':{width}s} {'q x w / compute':>16s} {'DMA tiles':>9s} {'skipped':>8s} {'pairs':>6s}"
         f" {'empty':>6s} {'full':>6s} {'partial':>7s} {'work skipped':>12s}"
     )
     for name in names:
@@ -41,7 +45,7 @@ def main(argv=None) -> None:
         n = cost.causal_kinds(cost.tiling(plan, shape), rate)
         tiling = f"{plan.block_q} x {plan.block_w} / {plan.compute_w}"
         print(
-            f"{name:28s} {tiling:>16s} {n.tiles:9d} {1 - n.tiles_with_work / n.tiles:8.1%} {n.total:6d}"
+            f"{name:{width}s} {tiling:>16s} {n.tiles:9d} {1 - n.tiles_with_work / n.tiles:8.1%} {n.total:6d}"
             f" {n.empty:6d} {n.full:6d} {n.partial:7d} {n.empty / n.total:12.1%}"
         )
     print("Every kernel (forward, dq/dweights, dk) skips the same tiles and compute blocks; MXU and")

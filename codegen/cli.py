@@ -17,7 +17,17 @@ import sys
 # The generator computes on the host; the TPU compiler, where used, runs in processes of its own.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from codegen import chips, compiled, explain, output, pipeline, plan, render, tpu_compile  # noqa: E402
+from codegen import (
+    chips,
+    compiled,
+    explain,
+    output,
+    pipeline,
+    plan,
+    render,
+    tpu_compile,
+    tuning,
+)  # noqa: E402
 from codegen.errors import SpecError
 
 EXIT_OK, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
@@ -173,15 +183,40 @@ def _family_package(family: pipeline.Family) -> str:
     return f"generated.{family.spec.family}"
 
 
+def _rank(args: argparse.Namespace, family: pipeline.Family, chip_names: list[str]) -> int:
+    if not args.variant:
+        raise UsageError("--rank ranks the tilings of one variant: name it (e.g. the production one)")
+    _find(family, args.variant)
+    mask = "causal" if args.causal else "unmasked"
+    ranked, found = tuning.rank(family, args.variant, chip_names, args.shape, mask, jobs=args.jobs)
+    if args.json:
+        print(json.dumps({"ranked": [dataclasses.asdict(r) for r in ranked],
+                          "not_candidates": [dataclasses.asdict(c) for c in found if c.error]}, indent=2))  # fmt: skip
+    else:
+        print(tuning.table(ranked, found, family, args.variant, args.shape, mask))
+    return EXIT_OK
+
+
 def _explain(args: argparse.Namespace) -> int:
     family = load_family(args.spec, default_out(args.spec))
-    chip = _chip(args.chip)
+    if args.rank and not args.compiled:
+        raise UsageError("--rank needs --compiled: the compiler's schedule ranks the tilings")
+    chip_names = args.chip.split(",")
+    if len(chip_names) > 1 and not args.compiled:
+        raise UsageError("the model explains one chip at a time; several need --compiled")
+    chip = _chip(chip_names[0])
     chosen = _chosen(args, family, chip)
     rate = family.spec.computation.compress_rate
     if args.compiled:
         _require_compiler()
+        chip_names = _tpu_chips(args.chip)
+        if "topk" in _programs(args.programs):
+            raise UsageError("explain --compiled does not cost score_topk's selection yet; `codegen compile "
+                             "--programs topk` compiles it")  # fmt: skip
+        if args.rank:
+            return _rank(args, family, chip_names)
         rows = compiled.explain(
-            _family_package(family), chosen, _tpu_chips(chip.name), args.shape, rate,
+            _family_package(family), chosen, chip_names, args.shape, rate,
             masks=("causal" if args.causal else "unmasked",), programs=_programs(args.programs), jobs=args.jobs,
         )  # fmt: skip
         if args.json:
@@ -292,7 +327,11 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--shape", type=_shape, required=True, metavar="B,H,S,D,W")
     p.add_argument("--causal", action="store_true", help="discount the tiles causal CSA masking skips")
-    p.add_argument("--chip", default="v6e", help=f"one of {', '.join(chips.CHIPS)} (default v6e)")
+    p.add_argument(
+        "--chip",
+        default="v6e",
+        help=f"one of {', '.join(chips.CHIPS)} (default v6e); with --compiled, several, comma-separated",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--tiling", metavar="NAME", help="only the variants of this spec tiling (e.g. prod)")
     p.add_argument("--no-blocks", action="store_true", help="leave out the per-kernel block shapes")
@@ -303,6 +342,12 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--programs", default="fwd,grad", help="with --compiled: of fwd,grad,sparse_fwd,sparse_grad"
+    )
+    p.add_argument(
+        "--rank",
+        action="store_true",
+        help="with --compiled: rank VARIANT's candidate tilings and head chunks (the spec's tuning section) "
+        "per chip by the compiled cycles of forward + gradient at --shape (with --causal: causal bounds)",
     )
     p.add_argument("--jobs", type=int, help="with --compiled: compiles at once (default: one per core)")
     p.set_defaults(run=_explain)
@@ -324,8 +369,14 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--shape", type=_shape, default=(1, 64, 8192, 128, 2048), metavar="B,H,S,D,W",
                    help="default: DeepSeek-V4 prefill, 1,64,8192,128,2048")  # fmt: skip
-    p.add_argument("--programs", default=",".join(tpu_compile.PROGRAMS))
-    p.add_argument("--top-k", type=int, default=512, help="sparse_score's top_k (default 512)")
+    p.add_argument(
+        "--programs",
+        default=",".join(tpu_compile.GATE_PROGRAMS),
+        help=f"of {', '.join(tpu_compile.PROGRAMS)} (default: all but topk, score_topk's forward)",
+    )
+    p.add_argument(
+        "--top-k", type=int, default=512, help="sparse_score's and score_topk's top_k (default 512)"
+    )
     p.add_argument(
         "--max-grad-logits",
         type=int,

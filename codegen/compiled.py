@@ -42,7 +42,6 @@ CONDITIONS = {
     "empty": lambda kind, first, last: kind == "empty",
     "partial": lambda kind, first, last: kind == "partial",
     "first": lambda kind, first, last: first,
-    "rest": lambda kind, first, last: not first,
     "last": lambda kind, first, last: last,
     "work_last": lambda kind, first, last: kind != "empty" and last,
     "empty_last": lambda kind, first, last: kind == "empty" and last,
@@ -60,15 +59,15 @@ class Branches:
     epilogue: tuple = ()
 
 
-# From the templates (templates/tpu/forward.py.j2, backward.py.j2; _runtime.accumulate), in the order
+# From the templates (templates/tpu/forward.py.j2, backward.py.j2), in the order
 # the compiler lays the regions out (an if/else may come else-first). A compute block with work is
 # masked unconditionally: no region of its own.
 BRANCHES = {
     # all heads in a step: the empty block's masked store, else the masked scores
     ("forward", False): Branches(per_block=(("empty", ()), ("work", ()))),
-    # a head chunk per step: accumulate (set at the first chunk, add after), store at the last
+    # a head chunk per step: zero at the first chunk; add a block with work; store at the last
     ("forward", True): Branches(
-        per_block=(("work", (("first", ()), ("rest", ()))), ("work_last", ()), ("empty_last", ()))
+        prologue=(("first", ()),), per_block=(("work", ()), ("work_last", ()), ("empty_last", ()))
     ),
     # zero at the reduction's first step; a block with work; store at the last
     ("dq_dweights", False): Branches(prologue=(("first", ()),), per_block=(("work", ()),), epilogue=(("last", ()),)),
@@ -331,12 +330,13 @@ class Row:
 def explain(
     family: str, plans: list[VariantPlan], chips: list[str], shape, compress_rate: int,
     masks=("causal",), programs=("fwd", "grad"), top_k: int = 512, jobs: int | None = None,
-    keep: str | None = None,
+    keep: str | None = None, path: str = "",
 ) -> list[Row]:  # fmt: skip
     """Compiles ``programs`` of every plan on every chip (once, with visibility bounds: the program is the
-    same whatever they hold) and reads each kernel's schedule; costs each call under every mask."""
+    same whatever they hold) and reads each kernel's schedule; costs each call under every mask.
+    ``family`` is the generated package's name, imported from ``path`` when given."""
     requests = [
-        tpu_compile.Request(family, p.name, chip, program, tuple(shape), top_k, causal=True)
+        tpu_compile.Request(family, p.name, chip, program, tuple(shape), top_k, causal=True, path=path)
         for p in plans
         for chip in chips
         for program in programs

@@ -5,7 +5,7 @@ its index follows, scratch and temporaries, and the work model. Without visibili
 compute block is assumed to do work, unmasked (as the kernels' ``pl.CostEstimate`` says); with them
 (``block_kinds``), each (q block, compute block) is classified by the kernels' own rule
 (``codegen/shipped/_geometry.py``) and only what the kernels execute is counted: no work for an empty block, the
-the mask for every one with work, and no DMA for a skipped tile. The scalar-prefetched ranges (six int32 per q
+the mask for every one with work, and no DMA for a skipped tile. The scalar-prefetched ranges (four int32 per q
 block, two per w tile, in SMEM) are left out.
 """
 

@@ -250,8 +250,9 @@ def build(variant: Variant) -> VariantPlan:
         blocks[n] for n in ("q", "k", "weights", "kv_bounds", "k_scale") if n != "k_scale" or scaled
     )
     # Scalar prefetch (SMEM), flattened over the batch: per q block, the w tiles it has work in
-    # (the index maps' skip range) and the four bounds its compute blocks are classified by.
-    q_block_ranges = ("w_lo", "w_hi", "any_lo", "any_hi", "all_lo", "all_hi")
+    # (the index maps' skip range) and the range outside which no query of it sees a block: its compute
+    # blocks are empty or not by it (full and partial ones run the same masked code).
+    q_block_ranges = ("w_lo", "w_hi", "any_lo", "any_hi")
 
     forward_grid = _grid(chunked, ("b", PARALLEL), ("i", PARALLEL), ("j", PARALLEL), ("c", ARBITRARY))
     kernels = [

@@ -28,7 +28,7 @@ from codegen.plan import VariantPlan
 # Black's style is pinned by its major version in pyproject.toml; the line length is ours.
 BLACK_MODE = black.Mode(line_length=110, target_versions={black.TargetVersion.PY310})
 RUNTIME = "_runtime"  # the family module every variant imports what they share from
-SHIPPED = ("_geometry", "_runtime")  # copied from codegen/shipped/ into every family package
+SHIPPED = ("_geometry", "_runtime", "_topk")  # copied from codegen/shipped/ into every family package
 _BACKWARD = {
     "fused": "two fused Pallas kernels (``_dense.backward``: dq with dweights, and dk), logits recomputed in VMEM",
     "reference": "the float32 reference VJP, scanned over head chunks (``_runtime.reference_backward``)",

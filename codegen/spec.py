@@ -212,6 +212,16 @@ class Variants(StrictModel):
     exclude: list[VariantSelector] = Field(default_factory=list)
 
 
+class Tuning(StrictModel):
+    """What ``codegen explain SPEC VARIANT --compiled --rank`` compiles and ranks: VARIANT (its layout,
+    dtypes and backward) with each of these tilings and each of these head chunks, by the compiled
+    cycles of a forward and gradient call per chip. Candidates are rendered to a scratch package,
+    never into ``generated/``."""
+
+    tilings: list[Name] = Field(min_length=1)
+    head_chunk: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
+
+
 Target = Literal["v5e", "v5p", "v6e", "7x", "h100", "h200"]
 
 
@@ -230,3 +240,4 @@ class FamilySpec(StrictModel):
     tilings: dict[Name, Tiling] = Field(min_length=1)
     dtype_policies: dict[Name, DtypePolicy] = Field(min_length=1)
     variants: Variants
+    tuning: Tuning | None = None

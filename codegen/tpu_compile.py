@@ -35,7 +35,9 @@ PROGRAMS = {
     "grad": ("forward", "dq_dweights", "dk"),
     "sparse_fwd": ("sparse_forward",),
     "sparse_grad": ("sparse_forward", "sparse_backward"),
+    "topk": ("forward",),  # score_topk: the forward kernel on query chunks, then the selection (XLA)
 }
+GATE_PROGRAMS = ("fwd", "grad", "sparse_fwd", "sparse_grad")  # what `codegen compile` compiles by default
 CALIBRATION = "calibration"  # the plain matmul every kernel's cycles are compared with
 # Only the schedules this package reads: without the filter libtpu writes every pass of every
 # kernel (hundreds of files per program).
@@ -64,6 +66,7 @@ class Request:
     top_k: int = 512
     causal: bool = True  # kv_start / kv_end passed (a compile sees their shapes, not their values)
     calibration: tuple = ()
+    path: str = ""  # a folder to import ``family`` from (a scratch package), else the usual sys.path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,6 +173,8 @@ def _variant_program(request: Request):
     import jax
     import jax.numpy as jnp
 
+    if request.path:
+        sys.path.insert(0, request.path)
     module = importlib.import_module(request.family).VARIANTS[request.variant]
     v = module.VARIANT
     B, H, S, D, W = request.shape
@@ -181,7 +186,9 @@ def _variant_program(request: Request):
     ]
     sparse = request.program.startswith("sparse")
     extra = {}
-    if sparse:
+    if request.program == "topk":
+        extra["kv_start"] = extra["kv_end"] = jax.ShapeDtypeStruct((B, S), jnp.int32)
+    elif sparse:
         extra["indices"] = jax.ShapeDtypeStruct((B, S, request.top_k), jnp.int32)
     elif request.causal:
         extra["kv_start"] = extra["kv_end"] = jax.ShapeDtypeStruct((B, S), jnp.int32)
@@ -191,6 +198,8 @@ def _variant_program(request: Request):
 
     def call(q, k, w, *rest):
         kw = dict(zip(names, rest))
+        if request.program == "topk":
+            return module.score_topk(q, k, w, request.top_k, **kw)
         if sparse:
             return module.sparse_score(q, k, w, kw.pop("indices"), **kw)
         return module.score(q, k, w, **kw)

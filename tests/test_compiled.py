@@ -15,11 +15,11 @@ from codegen import cli, compiled, cost, pipeline, schedule, tpu_compile
 from tests.spec_cases import SPEC_PATH
 
 SHAPE = (1, 64, 8192, 128, 2048)
-PRODUCTION = "tpu_sm_bf16_q128_w1024_hc16"
+PRODUCTION = "tpu_sm_bf16_q256_w1024c512_hc16"
 # What libtpu printed for the sparse gather of bfloat16 rows before it read aligned row groups.
 MOSAIC_ERROR = (
     "XlaRuntimeError: INTERNAL: Mosaic failed to compile TPU kernel with MLIR module name "
-    "`tpu_sm_bf16_q128_w1024_hc16_sparse_forward` HLO name `tpu_sm_bf16_q128_w1024_hc16_sparse_forward.1`: "
+    "`tpu_sm_bf16_q256_w1024c512_hc16_sparse_forward` HLO name `tpu_sm_bf16_q256_w1024c512_hc16_sparse_forward.1`: "
     "E2003: CompileTimeMosaicUnprovenMemoryAccessAlignment: cannot statically prove that index in dimension 1 "
     "is a multiple of 8 The MLIR operation involved: %1 = vector.load ..."
 )
@@ -112,8 +112,10 @@ def test_compiled_schedule_of_the_production_kernels(tmp_path):
             m: compiled.kernel_report(plan, kp, kp.name, sched, t, k, *cal)
             for m, k in (("u", unmasked), ("c", causal))
         }
-        # causal skipping: the executed MXU work is 0.75 of the unmasked (one compute block per tile)
-        assert 0.65 < rep["c"].cycles / rep["u"].cycles < 0.85, kp.name
+        # causal skipping: cycles follow the share of compute blocks with work (0.625 at this tiling),
+        # plus what an empty block and an idle step still issue
+        work = np.mean(causal != 0)
+        assert work < rep["c"].cycles / rep["u"].cycles < work + 0.1, kp.name
         # within reach of the plain matmul over the same logits (which also stores them all), and
         # the MXU does work on the full path
         assert rep["u"].cycles > 0.5 * rep["u"].calibration_cycles

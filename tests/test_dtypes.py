@@ -19,7 +19,7 @@ FP8_NAMES = sorted(name for name, module in VARIANTS.items() if module.VARIANT["
 
 def test_the_family_has_an_fp8_variant_at_the_production_tiling():
     assert any(
-        VARIANTS[n].VARIANT["block_q"] == 128 and VARIANTS[n].VARIANT["block_w"] == 1024 for n in FP8_NAMES
+        VARIANTS[n].VARIANT["block_q"] == 256 and VARIANTS[n].VARIANT["block_w"] == 1024 for n in FP8_NAMES
     )
 
 

@@ -16,7 +16,7 @@ from tests.spec_cases import SPEC_PATH, edited, family
 
 pytestmark = pytest.mark.version_free  # the spec models and the cost model: no JAX version changes them
 
-PRODUCTION = "tpu_hm_bf16_q128_w1024_hc16"
+PRODUCTION = "tpu_hm_bf16_q256_w1024c512_hc16"
 SHAPE = "1,64,8192,128,2048"
 
 
@@ -86,7 +86,7 @@ def test_a_legal_but_non_native_block_warns(capsys, tmp_path):
 def test_kernels_over_the_default_scope_ask_for_more_vmem():
     """The gradient kernels hold a head group's [16 * 128, 1024] float32 logits: more than v5e's 16 MiB
     default, so they ask for their footprint with headroom; the production forward needs no more."""
-    for name in ("tpu_hm_f32_q128_w1024_hcall", PRODUCTION):
+    for name in ("tpu_hm_f32_q128_w1024c512_hcall", PRODUCTION):
         limits = VARIANTS[name].CONFIG.vmem_limit_bytes
         need = cost.vmem_footprints(family().plan(name), 64, 128)["dq_dweights"]
         assert need > 16 * 2**20 and limits["dq_dweights"] >= need and limits["dq_dweights"] % 2**20 == 0
@@ -98,13 +98,13 @@ def test_explain_the_production_variant(capsys):
     out = capsys.readouterr().out
     lines = {line.split()[1]: line for line in out.splitlines() if line.startswith(PRODUCTION)}
     assert set(lines) == {"forward", "dq_dweights", "dk"}
-    # forward: grid (B, q blocks, w blocks, chunks) = 1 x 64 x 2 x 4; 2 * 64 * 8192 * 2048 * 128 = 2**38
+    # forward: grid (B, q blocks, w blocks, chunks) = 1 x 32 x 2 x 4; 2 * 64 * 8192 * 2048 * 128 = 2**38
     # MXU FLOPs (274.9 GFLOP), 3 elementwise operations per entry (3 * 2**30) and the mask's 6 per
     # (query, block) (6 * 2**24): 3.3 Gop.
     assert (
-        "1x64x2x4" in lines["forward"] and "  274.9  " in lines["forward"] and "  3.3  " in lines["forward"]
+        "1x32x2x4" in lines["forward"] and "  274.9  " in lines["forward"] and "  3.3  " in lines["forward"]
     )
-    assert "k [1024, 128]" in out and "q [16, 128, 128]" in out
+    assert "k [1024, 128]" in out and "q [16, 256, 128]" in out
 
 
 def test_explain_json_and_causal(capsys):
@@ -113,18 +113,19 @@ def test_explain_json_and_causal(capsys):
     full = {row["kernel"]: row for row in json.loads(capsys.readouterr().out)}
     assert cli.main(args + ["--causal"]) == 0
     causal = {row["kernel"]: row for row in json.loads(capsys.readouterr().out)}
-    # Causal at S = 8192, W = 2048 with 128 x 1024 DMA tiles, each one compute block: q block i
-    # (positions 128i .. 128i + 127) sees blocks [0, 32i + 32) at most and [0, 32i) in every query, so
-    # its second tile has work from i = 32 on and its first is full from i = 32 on: over i < 64, 96
-    # of the 128 tiles have work (0.75), 32 full, 64 partial, 32 empty.
-    blocks = {"empty": 32, "full": 32, "partial": 64, "tiles_with_work": 96, "tiles": 128}
+    # Causal at S = 8192, W = 2048 with 256 x 1024 DMA tiles of two 512-wide compute blocks: q block i
+    # (positions 256i .. 256i + 255) sees blocks [0, 64i + 64) at most and [0, 64i) in every query, so
+    # compute block c has work while 512c < 64i + 64 and is full while 512(c + 1) <= 64i: over i < 32,
+    # 80 of the 128 blocks have work (0.625), 48 full, 32 partial, 48 empty; tile j has work while
+    # 1024j < 64i + 64: 48 of the 64 tiles.
+    blocks = {"empty": 48, "full": 48, "partial": 32, "tiles_with_work": 48, "tiles": 64}
     for kernel in ("forward", "dq_dweights", "dk"):
         assert causal[kernel]["compute_blocks"] == blocks
-        assert causal[kernel]["mxu_flops"] == full[kernel]["mxu_flops"] * 96 // 128
-        assert causal[kernel]["mxu_vs_unmasked"] == 0.75
+        assert causal[kernel]["mxu_flops"] == full[kernel]["mxu_flops"] * 80 // 128
+        assert causal[kernel]["mxu_vs_unmasked"] == 0.625
         # The elementwise work, the mask's included (every block with work is masked), goes with the
         # MXU work.
-        assert causal[kernel]["vpu_ops"] == full[kernel]["vpu_ops"] * 96 // 128
+        assert causal[kernel]["vpu_ops"] == full[kernel]["vpu_ops"] * 80 // 128
     assert causal["dk"]["hbm_bytes"] < full["dk"]["hbm_bytes"]
 
 

@@ -174,6 +174,11 @@ CASES = {
         _set("variants.matrix.backend", ["tpu", "gpu"]),
         ["variants.matrix.backend = 'gpu'", "no templates for this backend"],
     ),
+    "tuning_names_a_missing_tiling": (
+        _set("tuning.tilings", ["prod", "huge"]),
+        ["tuning.tilings[1] = 'huge'", "no such tiling; defined: ["],
+    ),
+    "tuning_without_head_chunks": (_set("tuning.head_chunk", []), ["tuning.head_chunk = []", "at least 1"]),
     "empty_matrix_axis": (
         _set("variants.matrix.q_layout", []),
         ["variants.matrix.q_layout = []", "at least 1"],
@@ -206,25 +211,27 @@ def test_shipped_spec_is_valid_and_covers_the_required_axes():
 def test_names_are_stable_and_readable():
     spec = load.parse(edited(lambda d: None), "spec.yaml")
     names = [v.name for v in variants.expand(spec)]
-    assert "tpu_hm_bf16_q128_w1024_hc16" in names
+    assert "tpu_hm_bf16_q256_w1024c512_hc16" in names
     assert "tpu_sm_f32_q16_w128_hcall" in names
-    assert "tpu_sm_bf16_q128_w1024_hc16_refbwd" in names  # the flag appears only when it is on
+    assert "tpu_sm_bf16_q256_w1024c512_hc16_refbwd" in names  # the flag appears only when it is on
     assert names == sorted(set(names))
 
 
 def test_a_tiling_that_differs_only_in_compute_w_renders_under_its_own_name():
     def edit(data):
-        data["tilings"]["prod256"] = {"block_q": 128, "block_w": 1024, "compute_w": 256}
-        data["tilings"]["prod1024"] = {"block_q": 128, "block_w": 1024, "compute_w": 1024}
-        data["variants"]["matrix"]["tiling"].append("prod256")
+        data["tilings"]["one"] = {"block_q": 128, "block_w": 1024}
+        data["tilings"]["four"] = {"block_q": 128, "block_w": 1024, "compute_w": 256}
+        data["tilings"]["same"] = {"block_q": 128, "block_w": 1024, "compute_w": 1024}
+        data["variants"]["matrix"]["tiling"] += ["one", "four"]
 
     found = {v.name: v for v in pipeline.build(load.parse(edited(edit), "spec.yaml")).variants}
     # one compute block per tile (the default, or compute_w == block_w) is what a name leaves out
     assert found["tpu_hm_bf16_q128_w1024_hc16"].compute_w == 1024
     assert found["tpu_hm_bf16_q128_w1024c256_hc16"].compute_w == 256
     assert found["tpu_hm_bf16_q128_w1024c256_hc16"].tiles.compute_w == 256
+    assert found["tpu_hm_bf16_q256_w1024c512_hc16"].compute_w == 512  # production: two per tile
     spec = load.parse(edited(edit), "spec.yaml")
-    assert spec.tilings["prod1024"].name_part() == spec.tilings["prod"].name_part() == "q128_w1024"
+    assert spec.tilings["same"].name_part() == spec.tilings["one"].name_part() == "q128_w1024"
 
 
 def test_grad_matmul_sets_the_gradient_passes():
@@ -235,12 +242,12 @@ def test_grad_matmul_sets_the_gradient_passes():
 
     shipped_plans = pipeline.build(load.parse(edited(lambda d: None), "spec.yaml"))
     one_pass = pipeline.build(load.parse(edited(edit), "spec.yaml"))
-    name = "tpu_hm_bf16_q128_w1024_hcall"
+    name = "tpu_hm_bf16_q256_w1024c512_hcall"
     split, rounded = shipped_plans.plan(name), one_pass.plan(name)
     assert (split.grad_matmul, rounded.grad_matmul) == ("split", "bf16")
     for kernel in ("dq_dweights", "dk"):
         assert split.kernel(kernel).work.mxu_passes == 3 and rounded.kernel(kernel).work.mxu_passes == 2
-    assert shipped_plans.plan("tpu_hm_f32_q128_w1024_hcall").grad_matmul == "plain"
+    assert shipped_plans.plan("tpu_hm_f32_q128_w1024c512_hcall").grad_matmul == "plain"
 
 
 def test_two_variants_of_one_name_are_an_error_naming_both():
@@ -249,7 +256,7 @@ def test_two_variants_of_one_name_are_an_error_naming_both():
         data["variants"]["matrix"]["tiling"].append("prod2")
 
     message = _problems(edited(edit))
-    assert "variants.matrix = 'tpu_hm_bf16_q128_w1024_hc16'" in message
+    assert "variants.matrix = 'tpu_hm_bf16_q256_w1024c512_hc16'" in message
     assert "tiling prod and tiling prod2" in message
 
 

@@ -398,9 +398,9 @@ class ComputeBlock(NamedTuple):
 
 def compute_blocks(bounds_refs, row, j, block_w, compute_w):
     """The compute blocks of w tile ``j``, each with work unless ``_geometry.block_empty`` by the bounds of
-    the q block at ``row`` of the flattened per-q-block arrays: (any_lo, any_hi, all_lo, all_hi) refs.
-    Only an empty block is branched on: a block with work is masked whether or not it needs it (a
-    select per entry costs fewer bundles than the branch that would skip it)."""
+    the q block at ``row`` of the flattened per-q-block arrays: (any_lo, any_hi) refs. Only an empty
+    block is branched on: a block with work is masked whether or not it needs it (a select per entry
+    costs fewer bundles than the branch that would skip it)."""
     any_lo, any_hi = bounds_refs[0][row], bounds_refs[1][row]
     compute_w = _geometry.call_compute_w(block_w, compute_w)
     for n in range(block_w // compute_w):
@@ -422,18 +422,6 @@ def head_groups(heads):
     against the key block per matmul, so only a group's logits and dlogits are held at once."""
     for start in range(0, heads, GRAD_HEAD_GROUP):
         yield slice(start, min(start + GRAD_HEAD_GROUP, heads))
-
-
-def accumulate(acc_ref, cols, value, first):
-    """``acc_ref[:, cols]`` = ``value`` at the first step of a reduction, ``+=`` it after."""
-
-    @pl.when(first)
-    def _set():
-        acc_ref[:, cols] = value
-
-    @pl.when(jnp.logical_not(first))
-    def _add():
-        acc_ref[:, cols] += value
 
 
 def matmul(lhs, rhs, precision, dimension_numbers=CONTRACT_INNER):
@@ -760,6 +748,33 @@ def place(x, mesh, spec):
     return jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
 
 
+def mesh_operands(
+    variant, mesh, q, k, weights, kv_start, kv_end, k_scale, *, batch_axes, context_axis, head_axis
+):
+    """The call's arrays placed on ``mesh`` for a ``jax.shard_map`` over it, their PartitionSpecs, and the
+    (batch, context) entries of a [B, S, ...] output's spec; the checks are ``mesh_plan``'s."""
+    q_layout = variant["q_layout"]
+    batch, num_heads, seq_len, _ = q_dims(q, q_layout)
+    batch_axes = mesh_plan(
+        mesh, batch, seq_len, num_heads, batch_axes=batch_axes, context_axis=context_axis,
+        head_axis=head_axis, head_chunk=variant["head_chunk"] or None,
+    )  # fmt: skip
+    b = batch_axes[0] if len(batch_axes) == 1 else (batch_axes or None)
+    s, h = context_axis, head_axis
+    P = jax.sharding.PartitionSpec
+    arrays = dict(q=q, k=k, weights=weights, kv_start=kv_start, kv_end=kv_end, k_scale=k_scale)
+    specs = dict(
+        q=P(b, h, s, None) if q_layout == "head_major" else P(b, s, h, None),
+        k=P(b, None, None),  # replicated over the context and head axes
+        weights=P(b, s, h),
+        kv_start=P(b, s),  # global compressed-block indices: each shard masks its own queries right
+        kv_end=P(b, s),
+        k_scale=P(b, None),
+    )
+    arrays = {name: place(x, mesh, specs[name]) for name, x in arrays.items() if x is not None}
+    return arrays, {name: specs[name] for name in arrays}, (b, s)
+
+
 def sharded_score(
     variant, score_as, q, k, weights, *, mesh, batch_axes=DEFAULT_BATCH_AXES, context_axis=None, head_axis=None,
     kv_start=None, kv_end=None, k_scale=None, softmax_scale=None, interpret=False,
@@ -795,30 +810,12 @@ def sharded_score(
     """
     # On the global shapes, before anything is traced; the scale resolved on the global q (D is never sharded).
     softmax_scale = check_call(variant, q, k, weights, kv_start, kv_end, k_scale, softmax_scale)[3]
-    q_layout, head_chunk, out_dtype = (
-        variant["q_layout"],
-        variant["head_chunk"] or None,
-        jnp.dtype(variant["out_dtype"]),
-    )
-    batch, num_heads, seq_len, _ = q_dims(q, q_layout)
-    batch_axes = mesh_plan(
-        mesh, batch, seq_len, num_heads,
-        batch_axes=batch_axes, context_axis=context_axis, head_axis=head_axis, head_chunk=head_chunk,
+    out_dtype = jnp.dtype(variant["out_dtype"])
+    arrays, specs, (b, s) = mesh_operands(
+        variant, mesh, q, k, weights, kv_start, kv_end, k_scale,
+        batch_axes=batch_axes, context_axis=context_axis, head_axis=head_axis,
     )  # fmt: skip
-    b = batch_axes[0] if len(batch_axes) == 1 else (batch_axes or None)
-    s, h = context_axis, head_axis
     P = jax.sharding.PartitionSpec
-    arrays = dict(q=q, k=k, weights=weights, kv_start=kv_start, kv_end=kv_end, k_scale=k_scale)
-    specs = dict(
-        q=P(b, h, s, None) if q_layout == "head_major" else P(b, s, h, None),
-        k=P(b, None, None),  # replicated over the context and head axes
-        weights=P(b, s, h),
-        kv_start=P(b, s),  # global compressed-block indices: each shard masks its own queries right
-        kv_end=P(b, s),
-        k_scale=P(b, None),
-    )
-    arrays = {name: place(x, mesh, specs[name]) for name, x in arrays.items() if x is not None}
-    specs = {name: specs[name] for name in arrays}
     partial_dtype = out_dtype if head_axis is None else jnp.float32
 
     def shard(arrays):

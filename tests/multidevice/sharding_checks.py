@@ -33,7 +33,7 @@ if jax.device_count() != 8:  # pragma: no cover - a guard against running it in 
 
 BF16 = VARIANTS["tpu_sm_bf16_q16_w128_hc16"]  # sequence-major, 16-head chunks
 F32_HM = VARIANTS["tpu_hm_f32_q16_w128_hcall"]  # head-major, all heads per step
-FP8 = VARIANTS["tpu_sm_fp8_q128_w1024_hc16"]  # float8 keys with k_scale
+FP8 = VARIANTS["tpu_sm_fp8_q256_w1024c512_hc16"]  # float8 keys with k_scale
 COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "reduce-scatter", "collective-permute")
 
 
@@ -459,3 +459,47 @@ def test_the_fallback_warns_once_naming_the_sizes():
         and "'fsdp': 4" in messages[0]
     )
     assert out.shape == (6, 8, 20)
+
+
+def test_sharded_score_topk_is_the_single_device_selection():
+    """Data x context parallel top-k: the same indices and scores as one device, bit for bit, and the
+    same gradient; the program's only collective is dk's sum over the context axis."""
+    diff, bounds, _ = problem(BF16, CONTEXT_SHAPE, seed=5)
+    top_k = 24
+    mesh = mesh_of((2, 4), ("data", "context"))
+
+    def run(fn):
+        def loss(diff):
+            index, values = fn(**diff, top_k=top_k, **bounds)
+            return jnp.sum(jnp.where(index >= 0, values.astype(jnp.float32), 0.0)), (index, values)
+
+        program = jax.jit(jax.value_and_grad(loss, has_aux=True))
+        (_, (index, values)), grads = program(diff)
+        gradient_only = jax.jit(jax.grad(lambda diff: loss(diff)[0]))  # its collectives, not the loss's sum
+        return index, values, grads, gradient_only.lower(diff).compile().as_text()
+
+    single = run(functools.partial(BF16.score_topk, interpret=True))
+    sharded = run(
+        functools.partial(BF16.sharded_score_topk, mesh=mesh, context_axis="context", interpret=True)
+    )
+    np.testing.assert_array_equal(np.asarray(sharded[0]), np.asarray(single[0]))
+    np.testing.assert_array_equal(np.asarray(sharded[1]), np.asarray(single[1]))
+    assert (np.asarray(single[0]) >= 0).any() and (np.asarray(single[0]) < 0).any()
+    for name in diff:
+        support.assert_close(
+            f"sharded_score_topk d{name}", sharded[2][name], single[2][name].astype(jnp.float32)
+        )
+    batch, _, _, head_dim, num_blocks = CONTEXT_SHAPE
+    dk_partial = f"f32[{batch // 2},{num_blocks},{head_dim}]"
+    assert [(kind, shape.split("{")[0]) for kind, shape in collectives(sharded[3])] == [
+        ("all-reduce", dk_partial)
+    ]
+
+
+def test_sharded_score_topk_checks_its_axes():
+    diff, bounds, _ = problem(BF16, CONTEXT_SHAPE, seed=5)
+    mesh = mesh_of((2, 4), ("data", "context"))
+    with pytest.raises(ValueError, match="context_axis 'seq' is not an axis of the mesh"):
+        BF16.sharded_score_topk(**diff, top_k=4, mesh=mesh, context_axis="seq", **bounds, interpret=True)
+    with pytest.raises(ValueError, match="top_k must be a positive integer"):
+        BF16.sharded_score_topk(**diff, top_k=0, mesh=mesh, **bounds, interpret=True)

@@ -1,0 +1,224 @@
+"""Each query's top_k compressed blocks and their scores, without the [B, S, W] score array and without
+sorting W entries: what every variant's ``score_topk`` runs.
+
+The queries are scored a chunk at a time by the variant's own ``score`` (``queries_per_chunk``: the
+chunk's scores and the selection's working arrays stay within ``working_bytes``, 512 MiB unless told),
+and each chunk is cut down to top_k at once, exactly:
+
+1. ``_keys``: each score's float32 bits as a uint32 in the scores' total order (a non-finite score,
+   such as the masked value, is 0, below every visible one);
+2. ``_threshold``: a radix search for the top_k-th largest key, one bit at a time from the top: 32
+   counting passes over the row, no sort;
+3. the blocks above the threshold and, of those at it, the lowest-indexed ones are kept: exactly
+   top_k (or every visible block of a row that has fewer);
+4. ``_compact``: slot j takes the block where the running count of kept blocks reaches j + 1, found
+   by a binary search of that count (log2 W gathers of top_k entries, no scatter);
+5. only those top_k are sorted into score order: highest first, a tie to the lower block.
+
+So the result is ``topk_indices(score(...), top_k)`` and ``score(...)`` there, bit for bit: selected on the
+values ``score`` returns, in its output dtype. The scores are differentiable: the gradient is
+``sparse_score``'s at the selected blocks (computed from q and k again, never as [B, S, W]).
+"""
+
+import functools
+import math
+import operator
+
+import jax
+import jax.numpy as jnp
+
+from . import _runtime
+
+DEFAULT_WORKING_BYTES = 512 * 2**20  # the working set of a chunk of queries, scores included
+# 32-bit words held per score of a chunk while it is selected: the score, its key, the two running
+# counts and the masks (a bound, not a count of XLA's buffers).
+WORDS_PER_SCORE = 6
+QUERY_GRANULE = 8  # a chunk is a multiple of this many queries (when S allows): whole sublane rows
+
+
+def queries_per_chunk(batch, seq_len, num_blocks, working_bytes=DEFAULT_WORKING_BYTES, block_q=QUERY_GRANULE):
+    """Queries scored and selected at once: as many as ``working_bytes`` holds (``WORDS_PER_SCORE``
+    words per score of the chunk), at most S, a multiple of the variant's ``block_q`` where that fits
+    (so its kernels pad nothing), else of ``QUERY_GRANULE``. ValueError when it holds not even one
+    query's."""
+    per_query = batch * num_blocks * 4 * WORDS_PER_SCORE
+    chunk = working_bytes // per_query
+    if chunk < 1:
+        raise ValueError(
+            f"working_bytes={working_bytes} holds less than one query's working set ({per_query} bytes at "
+            f"B={batch}, W={num_blocks}: {WORDS_PER_SCORE} words per score)"
+        )
+    chunk = min(chunk, seq_len)
+    granule = block_q if chunk >= block_q else QUERY_GRANULE
+    return chunk if chunk < granule else chunk // granule * granule
+
+
+def _keys(scores):
+    """uint32 keys in the total order of the float32 ``scores`` (-0.0 below +0.0, as ``lax.top_k``
+    orders them); 0 for a non-finite score (masked, NaN, inf: never a visible block), below every other."""
+    bits = jax.lax.bitcast_convert_type(scores.astype(jnp.float32), jnp.uint32)
+    keys = jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+    return jnp.where(jnp.isfinite(scores), keys, jnp.uint32(0))
+
+
+def _threshold(keys, wanted):
+    """Per row, the largest key t with at least ``wanted`` keys >= t: the wanted-th largest key, found
+    bit by bit from the top (32 counting passes over the row)."""
+
+    def step(bit, t):
+        candidate = t | jax.lax.shift_left(jnp.uint32(1), (31 - bit).astype(jnp.uint32))
+        enough = jnp.sum(keys >= candidate, axis=-1, keepdims=True, dtype=jnp.int32) >= wanted
+        return jnp.where(enough, candidate, t)
+
+    start = keys[..., :1] & jnp.uint32(0)  # zeros that vary over a shard_map's axes as keys do
+    return jax.lax.fori_loop(0, 32, step, start)
+
+
+def _compact(kept, slots):
+    """Per row, for slot j < ``slots``, the index of the (j + 1)-th kept entry (W past the last): a binary
+    search of the running count of kept entries, so nothing is scattered."""
+    running = jnp.cumsum(kept, axis=-1, dtype=jnp.int32)
+    width = kept.shape[-1]
+    target = jnp.broadcast_to(jnp.arange(1, slots + 1, dtype=jnp.int32), kept.shape[:-1] + (slots,))
+    lo = jnp.zeros_like(target)
+    hi = jnp.full_like(target, width)
+    for _ in range(max(1, math.ceil(math.log2(width + 1)))):  # first w with running[w] >= target
+        mid = (lo + hi) // 2
+        below = jnp.take_along_axis(running, jnp.minimum(mid, width - 1), axis=-1) < target
+        lo, hi = jnp.where(below, mid + 1, lo), jnp.where(below, hi, mid)
+    return lo
+
+
+def select(scores, top_k):
+    """The top_k entries of each row of ``scores`` [..., W] (any float dtype): (int32 indices, scores
+    there), highest first, a tie to the lower index, index -1 and ``MASKED_VALUE`` past the row's
+    visible (finite) entries; exactly ``topk_indices``'s choice, with no sort wider than top_k."""
+    keys = _keys(scores)
+    visible = jnp.sum(keys > 0, axis=-1, keepdims=True, dtype=jnp.int32)
+    wanted = jnp.minimum(visible, top_k)
+    t = _threshold(keys, wanted)
+    above = keys > t
+    ties = (keys == t) & (keys > 0)
+    room = wanted - jnp.sum(above, axis=-1, keepdims=True, dtype=jnp.int32)
+    kept = above | (ties & (jnp.cumsum(ties, axis=-1, dtype=jnp.int32) <= room))
+    index = _compact(kept, top_k)  # in block order; W in the slots past the kept ones
+    filled = jnp.arange(top_k) < wanted
+    safe = jnp.minimum(index, scores.shape[-1] - 1)
+    key = jnp.where(filled, jnp.take_along_axis(keys, safe, axis=-1), jnp.uint32(0))
+    # score order: the key descending (its complement ascending), then the index ascending
+    _, index = jax.lax.sort((~key, jnp.where(filled, index, scores.shape[-1])), dimension=-1, num_keys=2)
+    values = jnp.take_along_axis(scores, jnp.minimum(index, scores.shape[-1] - 1), axis=-1)
+    masked = jnp.asarray(_runtime.MASKED_VALUE, scores.dtype)
+    return jnp.where(filled, index, -1).astype(jnp.int32), jnp.where(filled, values, masked)
+
+
+def check_top_k(top_k):
+    """top_k as a static positive int; ValueError otherwise."""
+    try:
+        value = operator.index(top_k)
+    except TypeError:
+        raise ValueError(f"top_k must be a positive integer, got {top_k!r}") from None
+    if isinstance(top_k, bool) or value < 1:
+        raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
+    return value
+
+
+def _chunked(
+    variant, score, q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret, top_k, chunk
+):
+    """(indices, scores) of every query, ``chunk`` queries at a time in a loop: only a chunk's
+    [B, chunk, W] scores ever exist."""
+    seq_axis = 2 if variant["q_layout"] == "head_major" else 1
+    batch, _, seq_len, _ = _runtime.q_dims(q, variant["q_layout"])
+    steps = -(-seq_len // chunk)
+
+    def one(_, step):
+        # the last chunk ends at S (overlapping the one before), so nothing is padded or copied
+        at = jnp.minimum(step * chunk, seq_len - chunk)
+        q_chunk = jax.lax.dynamic_slice_in_dim(q, at, chunk, seq_axis)
+        rows = [jax.lax.dynamic_slice_in_dim(x, at, chunk, 1) for x in (weights, kv_start, kv_end)]
+        scores = score(
+            q_chunk, k, rows[0], kv_start=rows[1], kv_end=rows[2], k_scale=k_scale,
+            softmax_scale=softmax_scale, interpret=interpret,
+        )  # fmt: skip
+        return None, select(scores, top_k)
+
+    _, chunks = jax.lax.scan(one, None, jnp.arange(steps))
+    tail = seq_len - (steps - 1) * chunk  # rows of the last chunk not already in the one before
+
+    def assemble(x):  # [steps, B, chunk, top_k] -> [B, S, top_k]
+        head = jnp.moveaxis(x[:-1], 0, 1).reshape(batch, (steps - 1) * chunk, top_k)
+        return jnp.concatenate([head, x[-1][:, chunk - tail :]], axis=1)
+
+    return tuple(assemble(x) for x in chunks)
+
+
+def differentiable(variant, score, sparse_score):
+    """A variant's ``score_topk`` over its ``score`` (which scores each chunk) and ``sparse_score``
+    (whose gradient at the selected blocks is the scores' gradient)."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+    def core(q, k, weights, k_scale, kv_start, kv_end, softmax_scale, interpret, top_k, chunk):
+        return _chunked(
+            variant, score, q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret, top_k, chunk
+        )
+
+    def core_fwd(q, k, weights, k_scale, kv_start, kv_end, softmax_scale, interpret, top_k, chunk):
+        out = core(q, k, weights, k_scale, kv_start, kv_end, softmax_scale, interpret, top_k, chunk)
+        return out, (q, k, weights, k_scale, out[0])
+
+    def core_bwd(softmax_scale, interpret, top_k, chunk, residuals, cotangents):
+        q, k, weights, k_scale, index = residuals
+
+        def scores(q, k, weights, k_scale):
+            return sparse_score(
+                q, k, weights, index, k_scale=k_scale, softmax_scale=softmax_scale, interpret=interpret
+            )
+
+        _, vjp = jax.vjp(scores, q, k, weights, k_scale)
+        return (*vjp(cotangents[1]), None, None)
+
+    core.defvjp(core_fwd, core_bwd)
+
+    def score_topk(
+        q, k, weights, top_k, *, kv_start=None, kv_end=None, k_scale=None, softmax_scale=None,
+        interpret=False, working_bytes=DEFAULT_WORKING_BYTES,
+    ):  # fmt: skip
+        kv_start, kv_end, k_scale, softmax_scale = _runtime.check_call(
+            variant, q, k, weights, kv_start, kv_end, k_scale, softmax_scale
+        )
+        top_k = check_top_k(top_k)
+        batch, _, seq_len, _ = _runtime.q_dims(q, variant["q_layout"])
+        chunk = queries_per_chunk(batch, seq_len, k.shape[1], working_bytes, variant["block_q"])
+        with jax.named_scope(f"{variant['name']}_topk"):
+            return core(q, k, weights, k_scale, kv_start, kv_end, softmax_scale, interpret, top_k, chunk)
+
+    return score_topk
+
+
+def sharded(
+    variant, score_topk, q, k, weights, top_k, *, mesh, batch_axes=_runtime.DEFAULT_BATCH_AXES, context_axis=None,
+    kv_start=None, kv_end=None, k_scale=None, softmax_scale=None, interpret=False,
+    working_bytes=DEFAULT_WORKING_BYTES,
+):  # fmt: skip
+    """``score_topk`` inside a ``jax.shard_map`` over ``mesh``: the global ``[B, S, top_k]`` indices and
+    scores. B over the batch axes and S over ``context_axis`` as for ``_runtime.sharded_score``; a
+    query's selection needs only its own scores, so nothing is exchanged but k's gradient (summed over
+    the context axis). H is not sharded: a head axis would all-reduce the [B, S/cp, W] partial scores
+    before any selection, the very array this avoids. ``working_bytes`` bounds each device's chunk."""
+    softmax_scale = _runtime.check_call(variant, q, k, weights, kv_start, kv_end, k_scale, softmax_scale)[3]
+    top_k = check_top_k(top_k)
+    arrays, specs, (b, s) = _runtime.mesh_operands(
+        variant, mesh, q, k, weights, kv_start, kv_end, k_scale,
+        batch_axes=batch_axes, context_axis=context_axis, head_axis=None,
+    )  # fmt: skip
+
+    def shard(arrays):
+        return score_topk(
+            arrays["q"], arrays["k"], arrays["weights"], top_k, kv_start=arrays.get("kv_start"),
+            kv_end=arrays.get("kv_end"), k_scale=arrays.get("k_scale"), softmax_scale=softmax_scale,
+            interpret=interpret, working_bytes=working_bytes,
+        )  # fmt: skip
+
+    out = jax.sharding.PartitionSpec(b, s, None)
+    return jax.shard_map(shard, mesh=mesh, in_specs=(specs,), out_specs=(out, out))(arrays)

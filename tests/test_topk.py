@@ -1,0 +1,178 @@
+"""``score_topk``: each query's top_k blocks and scores without the [B, S, W] array and without a sort of W.
+
+Checked against an independent selection (NumPy's sort of the dense scores, ties to the lower block)
+and against ``topk_indices(score(...))``, bit for bit, on random, causal, packed and windowed masks with
+ties and rows that see fewer than top_k blocks; its gradient against the dense score's at the selected
+entries; and, lowered for the TPU at S = 65,536, W = 16,384, the program it builds: no array of S x W
+elements and no sort wider than W / 4.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.lib.mlir import ir
+
+from codegen import hlo_audit
+from generated.csa_v4 import VARIANTS, topk_indices
+from generated.csa_v4 import _topk as topk_module
+from tests import support
+
+SMALL = sorted(n for n in VARIANTS if "_q16_w128_" in n and not n.endswith("refbwd"))
+FP8 = "tpu_sm_fp8_q256_w1024c512_hc16"
+
+
+def _numpy_topk(scores, top_k):
+    """Per row, the top_k finite entries by value (+0.0 above -0.0, as ``lax.top_k`` orders them), a
+    tie to the lower index: (indices, values), -1 and -inf past the finite ones."""
+    scores = np.asarray(scores.astype(jnp.float32))
+    *lead, width = scores.shape
+    rows = scores.reshape(-1, width)
+    index = np.full((rows.shape[0], top_k), -1, np.int64)
+    for r, row in enumerate(rows):
+        finite = np.flatnonzero(np.isfinite(row))
+        order = np.lexsort((finite, np.signbit(row[finite]), -row[finite]))[:top_k]
+        index[r, : len(order)] = finite[order]
+    index = index.reshape(*lead, top_k)
+    values = np.where(index >= 0, np.take_along_axis(scores, np.maximum(index, 0), axis=-1), -np.inf)
+    return index, values
+
+
+def _call(module, q, k, weights, top_k, working_bytes=topk_module.DEFAULT_WORKING_BYTES, **arrays):
+    """``score_topk`` in interpret mode under ``jax.jit``, with the key scale its variant needs."""
+    arrays = {**support.key_scale(module.VARIANT, k), **arrays}
+
+    def run(q, k, w, arrays):
+        return module.score_topk(q, k, w, top_k, **arrays, working_bytes=working_bytes, interpret=True)
+
+    return jax.jit(run)(q, k, weights, arrays)
+
+
+@pytest.mark.parametrize("name", SMALL + [FP8])
+def test_score_topk_is_the_dense_selection_bit_for_bit(name):
+    module = VARIANTS[name]
+    shape = (4, 16, 40, 128, 300)
+    q, k, weights = support.make_inputs(module.VARIANT, shape, seed=1)
+    if module.VARIANT["q_dtype"] == "bfloat16":  # a coarse grid of q makes many equal scores: ties
+        q = (q * 2).round().astype(q.dtype) / 2
+    kv_start, kv_end = support.mask_batch(shape[2], shape[4], seed=2)
+    bounds = dict(kv_start=kv_start, kv_end=kv_end)
+    dense = support.call(module, q, k, weights, **bounds, interpret=True)
+    for top_k in (1, 7, 64, 400):  # 400 > W: every visible block, then -1 slots
+        # a small working set forces several query chunks, the last one ragged
+        index, values = _call(module, q, k, weights, top_k, **bounds, working_bytes=16 * 300 * 4 * 6 * 4)
+        assert index.dtype == jnp.int32 and values.dtype == dense.dtype
+        assert index.shape == values.shape == (4, 40, top_k)
+        expected_index, expected_values = _numpy_topk(dense, top_k)
+        np.testing.assert_array_equal(np.asarray(index), expected_index)
+        np.testing.assert_array_equal(np.asarray(values.astype(jnp.float32)), expected_values)
+        np.testing.assert_array_equal(np.asarray(index), np.asarray(topk_indices(dense, top_k)))
+    # some rows see fewer than 7 blocks (and some none), some tie: the cases this is about
+    counts = np.isfinite(np.asarray(dense.astype(jnp.float32))).sum(-1)
+    assert (counts == 0).any() and ((counts > 0) & (counts < 7)).any()
+
+
+def test_select_orders_ties_zeros_and_non_finite_entries():
+    scores = jnp.array([[0.0, -0.0, 1.0, 1.0, -jnp.inf, jnp.nan, jnp.inf, -2.0, 0.0]], jnp.float32)
+    index, values = topk_module.select(scores, 8)
+    np.testing.assert_array_equal(np.asarray(index), [[2, 3, 0, 8, 1, 7, -1, -1]])
+    assert np.signbit(np.asarray(values)[0, 4]) and np.isneginf(np.asarray(values)[0, 6:]).all()
+    np.testing.assert_array_equal(np.asarray(index), np.asarray(topk_indices(scores[None], 8))[0])
+
+
+@pytest.mark.parametrize("name", ["tpu_hm_f32_q16_w128_hcall", "tpu_sm_bf16_q16_w128_hc16"])
+def test_score_topk_gradient_is_the_dense_scores_at_the_selection(name):
+    module = VARIANTS[name]
+    shape = (2, 16, 24, 128, 200)
+    q, k, weights = support.make_inputs(module.VARIANT, shape, seed=3)
+    kv_start, kv_end = (x[:2] for x in support.mask_batch(shape[2], shape[4], seed=4))
+    bounds = dict(kv_start=kv_start, kv_end=kv_end)
+    top_k = 16
+    cotangent = jax.random.normal(jax.random.PRNGKey(5), (2, 24, top_k), jnp.float32)
+    index, _ = _call(module, q, k, weights, top_k, **bounds)
+
+    def via_topk(q, k, weights):
+        _, values = module.score_topk(q, k, weights, top_k, **bounds, interpret=True)
+        return jnp.sum(jnp.where(index >= 0, values.astype(jnp.float32) * cotangent, 0.0))
+
+    def via_dense(q, k, weights):
+        dense = module.score(q, k, weights, **bounds, interpret=True).astype(jnp.float32)
+        picked = jnp.take_along_axis(dense, jnp.maximum(index, 0), axis=-1)
+        return jnp.sum(jnp.where(index >= 0, picked * cotangent, 0.0))
+
+    got = jax.jit(jax.grad(via_topk, argnums=(0, 1, 2)))(q, k, weights)
+    want = jax.jit(jax.grad(via_dense, argnums=(0, 1, 2)))(q, k, weights)
+    for label, a, b in zip(("dq", "dk", "dweights"), got, want):
+        assert a.dtype == b.dtype, label
+        support.assert_close(f"{name} {label}", a, b.astype(jnp.float32))
+
+
+def test_bad_calls_raise_before_tracing():
+    module = VARIANTS[SMALL[0]]
+    q, k, weights = support.make_inputs(module.VARIANT, (1, 16, 8, 128, 64), seed=0)
+    for top_k in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="top_k must be a positive integer"):
+            module.score_topk(q, k, weights, top_k, interpret=True)
+    with pytest.raises(ValueError, match=r"working_bytes=100 holds less than one query's working set"):
+        module.score_topk(q, k, weights, 4, working_bytes=100, interpret=True)
+
+
+def _walk(module: ir.Module):
+    """Every operation of every function of ``module``, nested regions included."""
+
+    def ops(block):
+        for op in block.operations:
+            yield op
+            for region in op.operation.regions:
+                for inner in region.blocks:
+                    yield from ops(inner)
+
+    for fn in module.body.operations:
+        for region in fn.operation.regions:
+            for block in region.blocks:
+                yield from ops(block)
+
+
+@pytest.mark.parametrize("gradient", [False, True])
+def test_no_score_array_and_no_wide_sort_at_s65536_w16384(gradient):
+    """Lowered for the TPU (Mosaic's lowering runs; nothing executes) at the issue's shape, top_k 1024:
+    no value of S x W elements or more anywhere in the program, the Pallas kernels' operands included,
+    and every sort at most W / 4 wide; the forward's largest array is a query chunk's scores."""
+    name = "tpu_sm_bf16_q256_w1024c512_hc16"
+    module = VARIANTS[name]
+    batch, heads, seq_len, head_dim, num_blocks, top_k = 1, 64, 65536, 128, 16384, 1024
+    v = module.VARIANT
+    args = [
+        jax.ShapeDtypeStruct((batch, seq_len, heads, head_dim), jnp.dtype(v["q_dtype"])),
+        jax.ShapeDtypeStruct((batch, num_blocks, head_dim), jnp.dtype(v["k_dtype"])),
+        jax.ShapeDtypeStruct((batch, seq_len, heads), jnp.dtype(v["weights_dtype"])),
+        jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
+        jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
+    ]
+
+    def forward(q, k, w, start, end):
+        return module.score_topk(q, k, w, top_k, kv_start=start, kv_end=end)
+
+    def loss(q, k, w, start, end):
+        return jnp.sum(forward(q, k, w, start, end)[1].astype(jnp.float32))
+
+    fn = jax.grad(loss, argnums=(0, 1, 2)) if gradient else forward
+    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).compiler_ir("stablehlo")
+    chunk = topk_module.queries_per_chunk(batch, seq_len, num_blocks, block_q=v["block_q"])
+    assert chunk == 1280  # five 256-query tiles: 1280 x 16384 scores, 6 words each, in 512 MiB
+    sorts, largest = [], 0  # largest: of the values with a W axis last (the scores of a chunk)
+    for op in _walk(lowered):
+        for value in list(op.operation.results) + list(op.operation.operands):
+            info = hlo_audit._tensor(value)
+            if info is not None:
+                assert info[0] < seq_len * num_blocks, (op.operation.name, info[2])
+                if ir.RankedTensorType(value.type).shape[-1:] == [num_blocks]:
+                    largest = max(largest, info[0])
+        if op.operation.name == "stablehlo.sort":
+            sorts.append(ir.RankedTensorType(op.operation.operands[0].type).shape[-1])
+        assert op.operation.name not in ("chlo.top_k", "stablehlo.top_k"), op.operation.name
+    assert sorts and max(sorts) <= num_blocks // 4, sorts
+    if not gradient:
+        assert largest == batch * chunk * num_blocks, (largest, chunk)
