@@ -1,11 +1,15 @@
-"""The gradient error of each ``grad_matmul`` mode (dtype policy), against a float64 reference.
+"""The gradient error of each ``grad_matmul`` mode (dtype policy) and cotangent route, against float64.
 
-The backward kernels hold dlogits in float32 and multiply them with bfloat16 k (for dq) or the stacked
-bfloat16 q (for dk) on the MXU. ``split`` sends them as a bfloat16 head and tail (two passes,
-float32-accurate); ``bf16`` rounds them to bfloat16 (one pass). This runs the shipped
-``_runtime.grad_matmul`` on the kernels' own operands (heads stacked, causal mask applied) and reports
-the relative Frobenius error of dq and dk against float64, before and after the bfloat16 rounding of
-the returned gradient, beside the error that rounding alone makes.
+The backward kernels multiply a float32 factor with bfloat16 k (for dq) or the stacked bfloat16 q
+(for dk) on the MXU. Where the cotangent is not exact in bfloat16 (a float32 score, or a key scale
+folded into it), that factor is dlogits = g * w_h where the logit is positive; where it is (a
+bfloat16 score: ``Config.exact_cotangent``, every production variant), the masked g is exact and
+the head weights move off the [rows, W] tile: dq = w_h * (masked g . k) is one exact pass, and dk
+takes the weights on q (w_h * q, float32). ``split`` sends the float32 factor as a bfloat16 head and
+tail (two passes, float32-accurate); ``bf16`` rounds it (one pass). This runs the shipped
+``_runtime.dq_dweights`` and ``_runtime.dk`` on the kernels' own operands (heads stacked, causal mask
+applied) and reports the relative Frobenius error of dq, dk and dweights against float64, before and
+after the bfloat16 rounding of the returned gradient, beside the error that rounding alone makes.
 
     python benchmarks/grad_matmul_error.py [--seq-len S] [--blocks W] [--heads H]
 
@@ -52,9 +56,10 @@ def main(argv=None) -> None:
     g = jnp.where(visible, g, 0.0)  # masked entries get no gradient
 
     logits = jnp.dot(q, k.T, preferred_element_type=jnp.float32).reshape(H, S, W)  # exact products
-    dlogits = jnp.where(logits > 0.0, g * weights, 0.0).reshape(H * S, W)
-    d64, q64, k64 = (np.asarray(a, np.float64) for a in (dlogits, q, k))
-    ref = {"dq": d64 @ k64, "dk": d64.T @ q64}
+    l64, g64, w64 = (np.asarray(a, np.float64) for a in (logits, g, weights))
+    d64 = np.where(l64 > 0.0, g64 * w64, 0.0).reshape(H * S, W)
+    q64, k64 = (np.asarray(a, np.float64) for a in (q, k))
+    ref = {"dq": d64 @ k64, "dk": d64.T @ q64, "dweights": np.sum(np.maximum(l64, 0.0) * g64, axis=2)}
     rounded_ref = {
         n: rel(np.asarray(jnp.asarray(r, jnp.float32).astype(jnp.bfloat16)), r) for n, r in ref.items()
     }
@@ -62,17 +67,17 @@ def main(argv=None) -> None:
         f"H, S, D, W = {H}, {S}, {D}, {W}; causal, compress rate {_runtime.COMPRESS_RATE}; bf16 q, k, weights, g"
     )
     print("relative Frobenius error against float64: float32 result / returned in bfloat16 (rounding alone)")
-    for mode in ("split", "bf16"):
-        cfg = SimpleNamespace(grad_matmul=mode, precision=None)
-        out = {
-            "dq": _runtime.grad_matmul(cfg, dlogits, k, _runtime.CONTRACT_INNER),
-            "dk": _runtime.grad_matmul(cfg, dlogits.T, q, _runtime.CONTRACT_INNER),
-        }
-        cells = [
-            f"{n} {fmt(rel(x, ref[n]))} / {fmt(rel(x.astype(jnp.bfloat16), ref[n]))} ({fmt(rounded_ref[n])})"
-            for n, x in out.items()
-        ]
-        print(f"  {mode:5s}  " + "   ".join(cells))
+    for exact in (True, False):
+        route = "exact g" if exact else "dlogits"
+        for mode in ("split", "bf16"):
+            cfg = SimpleNamespace(grad_matmul=mode, precision=None, exact_cotangent=exact)
+            dq, dweights = _runtime.dq_dweights(cfg, logits, g, weights, q, k)
+            out = {"dq": dq, "dk": _runtime.dk(cfg, logits, g, weights, q), "dweights": dweights}
+            cells = [
+                f"{n} {fmt(rel(x, ref[n]))} / {fmt(rel(x.astype(jnp.bfloat16), ref[n]))} ({fmt(rounded_ref[n])})"
+                for n, x in out.items()
+            ]
+            print(f"  {route:7s} {mode:5s}  " + "   ".join(cells))
 
 
 if __name__ == "__main__":

@@ -143,6 +143,9 @@ class VariantPlan:
     # float32 dlogits meet the MXU "split" into a head and a tail of its type (two passes), rounded to
     # "bf16" (one pass), or "plain" (float32 q/k: one pass at the variant's precision)
     grad_matmul: str
+    # the cotangent is exact in the MXU's type (a score in that dtype, no key scale): dq contracts it,
+    # masked, in one exact pass and takes each head's weight on its rows after (``_dq``)
+    exact_cotangent: bool
     kernels: tuple[KernelPlan, ...]
 
     @property
@@ -243,6 +246,10 @@ def build(variant: Variant) -> VariantPlan:
     else:
         grad_matmul, grad_passes = policy.grad_matmul, 2 if policy.grad_matmul == "split" else 1
     dlogits = (Buffer("dlogits", ("grad_heads", "block_q", "compute_w"), policy.mxu_dtype),) * grad_passes
+    # A score in the MXU's type with no key scale: its cotangent is exact there, so dq's head weights
+    # (constant along a row of dlogits) leave the matmul and dq is one exact pass of the masked g.
+    exact_cotangent = policy.out == policy.mxu_dtype and not policy.k_scale
+    dq_passes = 1 if exact_cotangent else grad_passes
     whole_logits = (Buffer("logits", ("heads", "block_q", "compute_w"), F32),)
     highest_f32 = policy.mxu_dtype == F32 and policy.precision == "highest"
     grad_stacked_q = Buffer("stacked_q", ("grad_heads", "block_q", "head_dim"), policy.mxu_dtype)
@@ -284,11 +291,12 @@ def build(variant: Variant) -> VariantPlan:
                 outputs=(blocks["dq"], blocks["dweights"]),
                 scratch=(Buffer("dq_acc", q_block, F32), Buffer("dweights_acc", ("heads", "block_q"), F32)),
                 temporaries=(grad_stacked_q, logits, tile)
-                + dlogits
+                + dlogits[:dq_passes]
                 + k_tile,  # tile: the cotangent in float32
                 skip=_skip(dq_grid, "j", "i", "w_lo", "w_hi"),
-                # relu, g * relu and its row sum (dweights); g * weight and the relu' select (dlogits)
-                work=Work(mxu_passes=1 + grad_passes, vpu_ops=5, useful_passes=2),
+                # relu, g * relu and its row sum (dweights), g * weight and the relu' select (dlogits); or
+                # with an exact cotangent only the select (dweights and the weights then act on [rows, D])
+                work=Work(mxu_passes=1 + dq_passes, vpu_ops=1 if exact_cotangent else 5, useful_passes=2),
             )
         )
         dk_grid = _grid(chunked, ("b", PARALLEL), ("j", PARALLEL), ("i", ARBITRARY), ("c", ARBITRARY))
@@ -324,6 +332,7 @@ def build(variant: Variant) -> VariantPlan:
         mxu_itemsize=mxu_itemsize,
         mxu_operand=policy.mxu_dtype,
         grad_matmul=grad_matmul,
+        exact_cotangent=exact_cotangent,
         kernels=tuple(kernels),
     )
 

@@ -69,8 +69,9 @@ def test_seq_major_f32_small():
     # [2 heads, 16] -> [8, 128] 4096; a head group's stacked q, logits and dlogits [2, 16, 128] f32
     # 3 * 16384, the cotangent tile 8192. Total 339968.
     assert dq.vmem_bytes == 262144 + 16384 + 4096 + 3 * 16384 + 8192
-    # f32: one pass per matmul. 2 * 4194304 + 5*2*32*256 = 8388608 + 81920, and the mask 49152.
-    assert (dq.flops, dq.mxu_flops) == (8470528 + 49152, 8388608)
+    # f32: one pass per matmul; the cotangent is exact, so dq and dweights come from one matmul and only
+    # the relu' select is per entry. 2 * 4194304 + 1*2*32*256 = 8388608 + 16384, and the mask 49152.
+    assert (dq.flops, dq.mxu_flops) == (8404992 + 49152, 8388608)
 
     # dk reads what dq does. Grid (b, j, i) = (1, 2, 2): q, weights, kv_bounds, g follow i
     # (innermost): 4 each; k and dk follow j: 2.
@@ -114,15 +115,15 @@ def test_head_major_bf16_chunked():
     assert dq.min_hbm_bytes == 2097152 + 524288 + 16384 + 2048 + 1048576 + 2097152 + 16384
     # VMEM: 2 * (1146880 inputs + 524288 dq + 32768 dweights) = 3407872; f32 dq accumulator 1048576,
     # dweights accumulator [16, 128] 8192; a head group (16): stacked q [16 * 128, 128] bf16 524288,
-    # logits [16, 128, 1024] f32 8388608, dlogits as a bf16 head and tail 2 * 4194304; the cotangent
-    # [128, 1024] f32 524288.
-    assert dq.vmem_bytes == 3407872 + 1048576 + 8192 + 524288 + 8388608 + 2 * 4194304 + 524288
-    # bf16: the dq matmul runs as a head and a tail pass: 3 * 2**32 MXU, 5 * 2**24 elementwise, the
-    # mask per head chunk: 2 * 6 * 2**19.
+    # logits [16, 128, 1024] f32 8388608, the masked cotangent in bf16 4194304 (exact: a bf16 score's
+    # cotangent, so one pass, the weights after); the cotangent [128, 1024] f32 524288.
+    assert dq.vmem_bytes == 3407872 + 1048576 + 8192 + 524288 + 8388608 + 4194304 + 524288
+    # bf16: the dq matmul is one exact pass, dweights from its result: 2 * 2**32 MXU, 2**24 elementwise
+    # (the relu' select), the mask per head chunk: 2 * 6 * 2**19.
     assert (dq.flops, dq.mxu_flops, dq.useful_flops) == (
-        3 * 2**32 + 5 * 2**24 + 12 * 2**19,
-        3 * 2**32,
-        2 * 2**32 + 5 * 2**24,
+        2 * 2**32 + 2**24 + 12 * 2**19,
+        2 * 2**32,
+        2 * 2**32 + 2**24,
     )
 
     # dk reads what dq does. Grid (b, j, i, c) = (1, 2, 2, 2): q, weights follow c: 8; kv_bounds,
@@ -217,7 +218,7 @@ def test_tiling_matches_generated_modules():
 def test_vmem_footprints_are_full_tiles():
     assert cost.vmem_footprints(HM_BF16, 32, 128) == {  # see test_head_major_bf16_chunked
         "forward": 2293760 + 524288 + 524288 + 2 * 524288,
-        "dq_dweights": 3407872 + 1048576 + 8192 + 524288 + 8388608 + 2 * 4194304 + 524288,
+        "dq_dweights": 3407872 + 1048576 + 8192 + 524288 + 8388608 + 4194304 + 524288,
         "dk": 2818048 + 524288 + 524288 + 8388608 + 2 * 4194304 + 524288,
     }
 

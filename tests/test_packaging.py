@@ -43,9 +43,9 @@ def test_templates_load_from_the_package_not_the_working_directory(tmp_path, mon
 
 
 # What a reviewer reads: every variant module small, what variants share written once (the shipped
-# runtime and geometry, one module per dense and per sparse kernel shape). A kernel rendered per
-# variant again would cost ~300 lines a variant and break this.
-GENERATED_LINES_CAP = 8000
+# runtime, geometry and top-k selection, one module per dense and per sparse kernel shape). A kernel
+# rendered per variant again would cost ~300 lines a variant and break this. (8360 lines with score_topk.)
+GENERATED_LINES_CAP = 8600
 
 
 def test_generated_code_stays_written_once():

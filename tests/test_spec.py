@@ -235,7 +235,8 @@ def test_a_tiling_that_differs_only_in_compute_w_renders_under_its_own_name():
 
 
 def test_grad_matmul_sets_the_gradient_passes():
-    """split: a bfloat16 head and tail of dlogits (two MXU passes); bf16: one; float32 q/k: one, plain."""
+    """split: a bfloat16 head and tail of the float32 factor (two MXU passes); bf16: one; float32 q/k:
+    one, plain. A bfloat16 score's dq is one exact pass either way (its cotangent is exact)."""
 
     def edit(data):
         data["dtype_policies"]["bf16"]["grad_matmul"] = "bf16"
@@ -245,8 +246,11 @@ def test_grad_matmul_sets_the_gradient_passes():
     name = "tpu_hm_bf16_q256_w1024c512_hcall"
     split, rounded = shipped_plans.plan(name), one_pass.plan(name)
     assert (split.grad_matmul, rounded.grad_matmul) == ("split", "bf16")
-    for kernel in ("dq_dweights", "dk"):
-        assert split.kernel(kernel).work.mxu_passes == 3 and rounded.kernel(kernel).work.mxu_passes == 2
+    assert split.exact_cotangent and rounded.exact_cotangent
+    assert split.kernel("dk").work.mxu_passes == 3 and rounded.kernel("dk").work.mxu_passes == 2
+    assert split.kernel("dq_dweights").work.mxu_passes == rounded.kernel("dq_dweights").work.mxu_passes == 2
+    fp8 = shipped_plans.plan("tpu_sm_fp8_q256_w1024c512_hc16")  # a key scale: the cotangent is not exact
+    assert not fp8.exact_cotangent and fp8.kernel("dq_dweights").work.mxu_passes == 3
     assert shipped_plans.plan("tpu_hm_f32_q128_w1024c512_hcall").grad_matmul == "plain"
 
 

@@ -167,6 +167,7 @@ class Config(NamedTuple):
     sublanes: int  # row granule of a shrunk q block: the native tiling of the narrowest q-row dtype
     precision: jax.lax.Precision  # of the logits matmuls
     grad_matmul: str  # float32 dlogits meet the MXU "split" (two passes), "bf16" (one) or "plain" (float32)
+    exact_cotangent: bool  # the cotangent is exact in the MXU type: dq is one exact pass, weights after
     # kernel -> (MXU passes of a logits-sized matmul, elementwise ops) per (head, query, block), (mask
     # ops per (query, block), whether per head chunk)
     work: dict
@@ -439,9 +440,14 @@ def split_matmul(lhs, rhs, dimension_numbers=CONTRACT_INNER):
     splitting it into a head and a tail of that type keeps ~16 bits for the price of a second MXU
     pass (rhs is exact).
     """
-    head = lhs.astype(rhs.dtype)
-    tail = (lhs - head.astype(lhs.dtype)).astype(rhs.dtype)
+    head, tail = split(lhs, rhs.dtype)
     return matmul(head, rhs, None, dimension_numbers) + matmul(tail, rhs, None, dimension_numbers)
+
+
+def split(x, dtype):
+    """float32 ``x`` as a head and a tail of the narrower ``dtype`` whose sum keeps ~16 bits of it."""
+    head = x.astype(dtype)
+    return head, (x - head.astype(x.dtype)).astype(dtype)
 
 
 def grad_matmul(cfg, lhs, rhs, dimension_numbers=CONTRACT_INNER):
@@ -453,6 +459,66 @@ def grad_matmul(cfg, lhs, rhs, dimension_numbers=CONTRACT_INNER):
     if cfg.grad_matmul == "bf16":
         return matmul(lhs.astype(rhs.dtype), rhs, None, dimension_numbers)
     return matmul(lhs, rhs, cfg.precision, dimension_numbers)
+
+
+def grad_matmul_rhs(cfg, lhs, rhs):
+    """``lhs`` [m, n], exact in the MXU type, times float32 ``rhs`` [n, p], in float32, as the variant's
+    plan says: rhs "split" into a head and a tail (two passes), rounded ("bf16", one), or "plain"."""
+    if cfg.grad_matmul == "split":
+        head, tail = split(rhs, lhs.dtype)
+        return matmul(lhs, head, None) + matmul(lhs, tail, None)
+    if cfg.grad_matmul == "bf16":
+        return matmul(lhs, rhs.astype(lhs.dtype), None)
+    return matmul(lhs, rhs, cfg.precision)
+
+
+# The backward kernels' gradient arithmetic: a group of heads' logits [n, block_q, compute_w], the
+# cotangent g [block_q, compute_w] and weights [n, block_q, 1], in float32.
+
+
+def relu_grad(logits, g, dtype):
+    """g where the logit is positive, else 0, ``[n * block_q, compute_w]`` in ``dtype`` (the MXU type: exact
+    there when the cotangent is, ``Config.exact_cotangent``)."""
+    return jnp.where(logits > 0.0, g, 0.0).reshape(-1, logits.shape[2]).astype(dtype)
+
+
+def dq_dweights(cfg, logits, g, weights, q, k):
+    """dq ``[n * block_q, D]`` (rows stacked as the group's q is) and dweights ``[n, block_q]`` of a group
+    of heads, float32, before the softmax scale.
+
+    dweights is sum_w relu(logit) g, and dq_h is w_h * sum_w relu'(logit) g k_w. Where the cotangent is
+    exact in the MXU type (``cfg.exact_cotangent``), both come from one exact matmul: u = (g where the
+    logit is positive) . k; dq = w_h * u (a head's weight is constant along its rows) and, since
+    relu(logit) g = relu'(logit) g (q . k_w), dweights = sum_d q * u: the products and the row sums
+    on [rows, D], none on [rows, compute_w] but the select. Else dlogits carry the weights and meet
+    the MXU as ``cfg.grad_matmul`` says.
+    """
+    if cfg.exact_cotangent:
+        u = matmul(relu_grad(logits, g, k.dtype), k, cfg.precision)
+        dweights = jnp.sum(q.astype(jnp.float32) * u, axis=1).reshape(weights.shape[:2])
+        return u * weights.reshape(-1, 1), dweights
+    dweights = jnp.sum(jnp.maximum(logits, 0.0) * g, axis=2)
+    return grad_matmul(cfg, dlogits(logits, g, weights), k), dweights
+
+
+def dlogits(logits, g, weights):
+    """d score / d logits of a group of heads, ``[n * block_q, compute_w]`` float32: g * weights_h where
+    the logit is positive (relu' = 1[x > 0]), else 0; rows stacked as the group's q is."""
+    return jnp.where(logits > 0.0, g * weights, 0.0).reshape(-1, logits.shape[2])
+
+
+def dk(cfg, logits, g, weights, q):
+    """dk of one compute block from a group of heads before the softmax scale, ``[compute_w, D]`` float32:
+    dlogits transposed times the stacked q. A head's weight is constant along a row of dlogits, so
+    along the same row of q: where the cotangent is exact in the MXU type (``cfg.exact_cotangent``) the
+    weights go onto q, and the masked g is transposed in the MXU type and meets the weighted q
+    ``[rows, D]`` as ``cfg.grad_matmul`` says (the product and any split on [rows, D], not on
+    [rows, compute_w]); else float32 dlogits are transposed once, before a split would make two tiles
+    of them to transpose."""
+    if cfg.exact_cotangent:
+        weighted_q = q.astype(jnp.float32) * weights.reshape(-1, 1)
+        return grad_matmul_rhs(cfg, relu_grad(logits, g, q.dtype).T, weighted_q)
+    return grad_matmul(cfg, dlogits(logits, g, weights).T, q)
 
 
 # Cost estimates, so XLA can schedule around each pallas_call.

@@ -184,6 +184,22 @@ def differentiable(variant, score, sparse_score):
         q, k, weights, top_k, *, kv_start=None, kv_end=None, k_scale=None, softmax_scale=None,
         interpret=False, working_bytes=DEFAULT_WORKING_BYTES,
     ):  # fmt: skip
+        """Each query's ``top_k`` highest-scoring blocks and their scores, never holding the
+        ``[B, S, W]`` score.
+
+        Returns ``(indices, scores)``, int32 and the score dtype, ``[B, S, top_k]``: exactly
+        ``topk_indices(score(...), top_k)`` and ``score(...)`` there, selected on the values ``score``
+        returns (in its dtype): highest first, a tie to the lower block, -1 and the masked value past
+        a row's visible blocks. Differentiable in the scores, as ``sparse_score`` is (its kernels give
+        the gradient at the selected blocks).
+
+        Args:
+          q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret: as for ``score``.
+          top_k: blocks per query, a positive int (it may exceed W: the extra slots are -1).
+          working_bytes: bound on a query chunk's scores and selection arrays (default 512 MiB).
+
+        Works inside ``jax.shard_map`` on per-device shards, as ``score`` does.
+        """
         kv_start, kv_end, k_scale, softmax_scale = _runtime.check_call(
             variant, q, k, weights, kv_start, kv_end, k_scale, softmax_scale
         )
