@@ -496,9 +496,10 @@ def dq_dweights(cfg, logits, g, weights, q, k):
     the MXU as ``cfg.grad_matmul`` says.
     """
     if cfg.exact_cotangent:
-        u = matmul(relu_grad(logits, g, k.dtype), k, cfg.precision)
-        dweights = jnp.sum(q.astype(jnp.float32) * u, axis=1).reshape(weights.shape[:2])
-        return u * weights.reshape(-1, 1), dweights
+        n, block_q = weights.shape[:2]
+        u = matmul(relu_grad(logits, g, k.dtype), k, cfg.precision).reshape(n, block_q, -1)
+        dweights = jnp.sum(q.astype(jnp.float32).reshape(u.shape) * u, axis=2)
+        return (u * weights).reshape(n * block_q, -1), dweights
     dweights = jnp.sum(jnp.maximum(logits, 0.0) * g, axis=2)
     return grad_matmul(cfg, dlogits(logits, g, weights), k), dweights
 
@@ -518,7 +519,7 @@ def dk(cfg, logits, g, weights, q):
     [rows, compute_w]); else float32 dlogits are transposed once, before a split would make two tiles
     of them to transpose."""
     if cfg.exact_cotangent:
-        weighted_q = q.astype(jnp.float32) * weights.reshape(-1, 1)
+        weighted_q = (q.astype(jnp.float32).reshape(*weights.shape[:2], -1) * weights).reshape(q.shape)
         return grad_matmul_rhs(cfg, relu_grad(logits, g, q.dtype).T, weighted_q)
     return grad_matmul(cfg, dlogits(logits, g, weights).T, q)
 
