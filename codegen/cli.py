@@ -186,7 +186,6 @@ def _family_package(family: pipeline.Family) -> str:
 def _rank(args: argparse.Namespace, family: pipeline.Family, chip_names: list[str]) -> int:
     if not args.variant:
         raise UsageError("--rank ranks the tilings of one variant: name it (e.g. the production one)")
-    _find(family, args.variant)
     mask = "causal" if args.causal else "unmasked"
     ranked, found = tuning.rank(family, args.variant, chip_names, args.shape, mask, jobs=args.jobs)
     if args.json:

@@ -144,7 +144,7 @@ class VariantPlan:
     # "bf16" (one pass), or "plain" (float32 q/k: one pass at the variant's precision)
     grad_matmul: str
     # the cotangent is exact in the MXU's type (a score in that dtype, no key scale): dq contracts it,
-    # masked, in one exact pass and takes each head's weight on its rows after (``_dq``)
+    # masked, in one exact pass and takes each head's weight on its rows after (``_runtime.dq_dweights``)
     exact_cotangent: bool
     kernels: tuple[KernelPlan, ...]
 

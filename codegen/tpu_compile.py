@@ -186,11 +186,9 @@ def _variant_program(request: Request):
     ]
     sparse = request.program.startswith("sparse")
     extra = {}
-    if request.program == "topk":
-        extra["kv_start"] = extra["kv_end"] = jax.ShapeDtypeStruct((B, S), jnp.int32)
-    elif sparse:
+    if sparse:
         extra["indices"] = jax.ShapeDtypeStruct((B, S, request.top_k), jnp.int32)
-    elif request.causal:
+    elif request.causal:  # score's and score_topk's visibility bounds
         extra["kv_start"] = extra["kv_end"] = jax.ShapeDtypeStruct((B, S), jnp.int32)
     if v.get("k_scale"):
         extra["k_scale"] = jax.ShapeDtypeStruct((B, W), jnp.float32)

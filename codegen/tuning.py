@@ -155,9 +155,9 @@ def table(
     out += ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]
     pick = best_overall(ranked)
     if pick:
-        worst = _worst_ratios(ranked)[pick]
+        (tiling, chunk), worst = pick
         out.append(
-            f"across the chips: {pick[0]} with head_chunk {pick[1] or 'all'} (at worst {worst:.2f}x a chip's best)"
+            f"across the chips: {tiling} with head_chunk {chunk or 'all'} (at worst {worst:.2f}x a chip's best)"
         )
     out += [
         f"not a candidate: {c.tiling} with head_chunk {c.head_chunk}: {c.error}" for c in found if c.error
@@ -176,7 +176,8 @@ def _worst_ratios(ranked: list[Ranked]) -> dict[tuple[str, int], float]:
     return {key: max(v) for key, v in ratios.items() if len(v) == len(chips)}
 
 
-def best_overall(ranked: list[Ranked]) -> tuple[str, int] | None:
-    """The candidate whose worst chip is nearest that chip's best: the one tiling to take for every chip."""
+def best_overall(ranked: list[Ranked]) -> tuple[tuple[str, int], float] | None:
+    """The candidate (tiling, head chunk) whose worst chip is nearest that chip's best, and that worst
+    ratio: the one tiling to take for every chip."""
     ratios = _worst_ratios(ranked)
-    return min(ratios, key=ratios.get) if ratios else None
+    return min(ratios.items(), key=lambda item: item[1]) if ratios else None

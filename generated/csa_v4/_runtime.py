@@ -992,12 +992,7 @@ def topk_indices(scores, top_k, *, method="exact"):
         )
     if not jnp.issubdtype(scores.dtype, jnp.floating):
         raise ValueError(f"scores must be a float array [B, S, W], got {scores.dtype}")
-    try:
-        top_k = operator.index(top_k)  # a Python or NumPy integer, static
-    except TypeError:
-        raise ValueError(f"top_k must be a positive integer, got {top_k!r}") from None
-    if isinstance(top_k, bool) or top_k < 1:
-        raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
+    top_k = check_top_k(top_k)
     if method not in ("exact", "approx"):
         raise ValueError(f'method must be "exact" or "approx", got {method!r}')
     scores = scores.astype(jnp.float32)
@@ -1012,6 +1007,17 @@ def topk_indices(scores, top_k, *, method="exact"):
         _, indices = jax.lax.approx_max_k(scores, top_k, recall_target=APPROX_RECALL_TARGET)
     count = jnp.sum(visible, axis=-1, keepdims=True)
     return jnp.where(jnp.arange(top_k) < count, indices, -1).astype(jnp.int32)
+
+
+def check_top_k(top_k):
+    """top_k as a static positive int (a Python or NumPy integer, not a bool); ValueError otherwise."""
+    try:
+        value = operator.index(top_k)
+    except TypeError:
+        raise ValueError(f"top_k must be a positive integer, got {top_k!r}") from None
+    if isinstance(top_k, bool) or value < 1:
+        raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
+    return value
 
 
 def check_indices(indices, batch, seq_len):

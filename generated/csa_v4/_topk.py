@@ -24,7 +24,6 @@ values ``score`` returns, in its output dtype. The scores are differentiable: th
 
 import functools
 import math
-import operator
 
 import jax
 import jax.numpy as jnp
@@ -114,17 +113,6 @@ def select(scores, top_k):
     return jnp.where(filled, index, -1).astype(jnp.int32), jnp.where(filled, values, masked)
 
 
-def check_top_k(top_k):
-    """top_k as a static positive int; ValueError otherwise."""
-    try:
-        value = operator.index(top_k)
-    except TypeError:
-        raise ValueError(f"top_k must be a positive integer, got {top_k!r}") from None
-    if isinstance(top_k, bool) or value < 1:
-        raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
-    return value
-
-
 def _chunked(
     variant, score, q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret, top_k, chunk
 ):
@@ -205,7 +193,7 @@ def differentiable(variant, score, sparse_score):
         kv_start, kv_end, k_scale, softmax_scale = _runtime.check_call(
             variant, q, k, weights, kv_start, kv_end, k_scale, softmax_scale
         )
-        top_k = check_top_k(top_k)
+        top_k = _runtime.check_top_k(top_k)
         batch, _, seq_len, _ = _runtime.q_dims(q, variant["q_layout"])
         chunk = queries_per_chunk(batch, seq_len, k.shape[1], working_bytes, variant["block_q"])
         with jax.named_scope(f"{variant['name']}_topk"):
@@ -225,7 +213,7 @@ def sharded(
     the context axis). H is not sharded: a head axis would all-reduce the [B, S/cp, W] partial scores
     before any selection, the very array this avoids. ``working_bytes`` bounds each device's chunk."""
     softmax_scale = _runtime.check_call(variant, q, k, weights, kv_start, kv_end, k_scale, softmax_scale)[3]
-    top_k = check_top_k(top_k)
+    top_k = _runtime.check_top_k(top_k)
     arrays, specs, (b, s) = _runtime.mesh_operands(
         variant, mesh, q, k, weights, kv_start, kv_end, k_scale,
         batch_axes=batch_axes, context_axis=context_axis, head_axis=None,
