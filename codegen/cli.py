@@ -217,6 +217,7 @@ def _explain(args: argparse.Namespace) -> int:
         rows = compiled.explain(
             _family_package(family), chosen, chip_names, args.shape, rate,
             masks=("causal" if args.causal else "unmasked",), programs=_programs(args.programs), jobs=args.jobs,
+            top_k=args.top_k,
         )  # fmt: skip
         if args.json:
             print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
@@ -349,6 +350,9 @@ def parser() -> argparse.ArgumentParser:
         "per chip by the compiled cycles of forward + gradient at --shape (with --causal: causal bounds)",
     )
     p.add_argument("--jobs", type=int, help="with --compiled: compiles at once (default: one per core)")
+    p.add_argument(
+        "--top-k", type=int, default=512, help="with --compiled: sparse_score's top_k (default 512)"
+    )
     p.set_defaults(run=_explain)
 
     p = commands.add_parser(

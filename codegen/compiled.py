@@ -32,7 +32,7 @@ import itertools
 
 import numpy as np
 
-from codegen import cost, schedule, tpu_compile
+from codegen import chips, cost, schedule, tpu_compile
 from codegen.plan import KernelPlan, VariantPlan
 
 # Conditions of a compute block's branch regions: on the block's kind and the step's place in the
@@ -201,6 +201,18 @@ class KernelReport:
     steps: int  # grid steps of the call
     cycles: int  # of the call at its shape and mask
     calibration_cycles: int  # the plain matmul over as many logits
+    step_dmas: int = 0  # HBM DMAs one step issues (the full path; a DMA in a loop once per trip)
+    step_dma_bytes: int = 0  # and the bytes they move
+    call_bytes: int = 0  # HBM bytes of the call: its steps' DMAs (sparse), the plan's model (dense)
+    clock_hz: float = 0.0  # the clock at which the calibration matmul runs at the chip's cited peak
+
+    @property
+    def seconds(self) -> float:
+        """The call's time: the larger of its cycles at ``clock_hz`` and its bytes at the chip's cited
+        HBM bandwidth (DMAs cost almost nothing in bundles, so a gather can be bound by its bytes)."""
+        return max(self.cycles / self.clock_hz, self.call_bytes / self.hbm_bytes_per_second)
+
+    hbm_bytes_per_second: float = 1.0
 
 
 def _fill_and_drain(sched: schedule.Schedule) -> int:
@@ -257,18 +269,30 @@ def kernel_report(
     kinds: np.ndarray,
     calibration: schedule.Schedule,
     calibration_logits: int,
+    chip: str = "v6e",
+    model_bytes: int = 0,
 ) -> KernelReport:
     """The report of one dense kernel (``kp``), or of a sparse one (``kp`` None: its grid is not the plan's,
-    so bundles, occupancy and loops only). The calibration matmul is branch-free: a call of it costs its
-    steps times its loop body, ``calibration_logits`` logits a step."""
+    so bundles, occupancy, loops and the DMAs of a step, every step alike). The calibration matmul is
+    branch-free: a call of it costs its steps times its loop body, ``calibration_logits`` logits a step.
+    ``model_bytes``: a dense call's HBM bytes from the plan's model (its DMAs depend on the step's path,
+    which this reader does not follow for them)."""
     logits = t.shape.batch * t.shape.num_heads * t.shape.seq_len * t.shape.num_blocks
     calib = calibration.body * logits // calibration_logits
     loops = tuple((loop.size, loop.trips) for loop in sched.loops)
-    if kp is None:  # a sparse kernel: no compute blocks, the same bundles every step
+    device = chips.get(chip)
+    rate = device.matmul_flops_per_second(plan.mxu_itemsize)
+    timing = dict(
+        clock_hz=rate * calibration.body / (2 * calibration_logits * t.shape.head_dim),
+        hbm_bytes_per_second=device.hbm_bytes_per_second_per_device(),
+    )
+    if kp is None:  # a sparse kernel: no compute blocks, the same bundles and DMAs every step
         steps_ = sched.grid_trips - PIPELINE_ITERATIONS
+        dmas, dma_bytes = sched.step_dmas()
         return KernelReport(
             kernel, sched.bundles, sched.body, sched.executed(), {}, sched.occupancy(), sched.spill_stores(), loops,
-            steps_, steps_ * sched.executed() + _fill_and_drain(sched), calib,
+            steps_, steps_ * sched.executed() + _fill_and_drain(sched), calib, dmas, dma_bytes, steps_ * dma_bytes,
+            **timing,
         )  # fmt: skip
     if sched.loops:
         raise StructureError(
@@ -278,6 +302,7 @@ def kernel_report(
     st = steps(kp.name, plan.head_chunk > 0, sched, n_blocks)
     steady = not kp.reduced  # a step inside its reduction (neither first nor last), or its only step
     full = sched.skipped(st.skipped(["full"] * n_blocks, steady, steady))
+    dmas, dma_bytes = sched.step_dmas(full)
     paths = {k: st.bundles([k] * n_blocks, steady, steady) for k in KINDS}
     ex = t.extents
     return KernelReport(
@@ -292,6 +317,10 @@ def kernel_report(
         steps=int(np.prod([ex[a] for a in kp.axes])),
         cycles=call_cycles(kp, st, t, kinds),
         calibration_cycles=calib,
+        step_dmas=dmas,
+        step_dma_bytes=dma_bytes,
+        call_bytes=model_bytes,
+        **timing,
     )
 
 
@@ -383,6 +412,10 @@ def explain(
                 bounds = cost.causal_bounds(t.shape, compress_rate) if mask == "causal" else ()
                 sched = schedule.parse(*compiled[name])
                 kp = next((k for k in plan.kernels if k.name == kernel), None)
+                model_bytes = 0
+                if kp is not None:
+                    kinds = cost.block_kinds(t, *bounds) if bounds else None
+                    model_bytes = cost.kernel_cost(plan, kp, tuple(shape), kinds).hbm_bytes
                 report = kernel_report(
                     plan,
                     kp,
@@ -392,6 +425,8 @@ def explain(
                     cost.kind_matrix(t, *bounds),
                     cal,
                     CALIBRATION_BLOCK[0] * CALIBRATION_BLOCK[1],
+                    chip=request.chip,
+                    model_bytes=model_bytes,
                 )
                 rows.append(Row(*common, True, "", report))
     if not keep:
@@ -405,10 +440,14 @@ def table(rows: list[Row], shape) -> str:
     cycles per call against the calibration matmul."""
     head = (
         f"compiled by libtpu (ahead of time, no TPU), not modelled; B,H,S,D,W = {','.join(map(str, shape))}; "
-        "a bundle per cycle, DMAs overlapped, no stalls; step bundles at a step inside the reduction"
+        "a bundle per cycle, DMAs overlapped, no stalls; step bundles at a step inside the reduction; "
+        "DMAs and KiB: the HBM DMAs one step issues (full path); GB: the call's HBM bytes (sparse: its "
+        "DMAs; dense: the plan's model); us: the larger of Mcycles at the clock where the calibration "
+        "matmul runs at the chip's cited peak, and GB at its cited HBM bandwidth"
     )
     columns = ["variant", "chip", "kernel", "mask", "step: straight", "executed", "empty", "full", "partial",
-               "MXU", "XLU", "VALU", "spills", "loops x trips", "Mcycles", "x matmul"]  # fmt: skip
+               "MXU", "XLU", "VALU", "spills", "loops x trips", "DMAs", "KiB", "Mcycles", "x matmul", "GB",
+               "us"]  # fmt: skip
     lines = []
     for r in rows:
         if not r.ok:
@@ -421,7 +460,8 @@ def table(rows: list[Row], shape) -> str:
             [r.variant, r.chip, r.kernel, r.mask, f"{k.straight_line:,}", f"{k.executed:,}",
              *(f"{k.paths[p]:,}" if k.paths else "-" for p in KINDS),
              *(f"{occ[u]:.0%}" for u in ("MXU", "XLU", "VALU")), str(k.spill_stores), loops,
-             f"{k.cycles / 1e6:,.2f}", f"{k.cycles / k.calibration_cycles:.2f}"]
+             f"{k.step_dmas:,}", f"{k.step_dma_bytes / 1024:,.0f}", f"{k.cycles / 1e6:,.2f}",
+             f"{k.cycles / k.calibration_cycles:.2f}", f"{k.call_bytes / 1e9:,.3f}", f"{k.seconds * 1e6:,.0f}"]
         )  # fmt: skip
     widths = [max(len(c), *(len(line[i]) for line in lines if len(line) > i)) for i, c in enumerate(columns)]
     out = [head, "  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip()]

@@ -28,7 +28,11 @@ UNITS = ("MXU", "XLU", "VALU", "VPOP", "EUP", "VLOAD", "VLOAD:FILL", "VSTORE", "
 _BUNDLE = re.compile(r"^\s*(0x[0-9a-f]+|\d+)\s+(LB|LH|LE|PB|PF|CT)?\s*:")
 _STARTS = re.compile(r"(?:Start|Start/End empty) region (\d+)\b")
 _BRANCH = re.compile(r"sbr\.rel \((!?%\w+)\) target = \$region(\d+)")
-_EXIT_TEST = re.compile(r"scmp\.ge\.s32\.totalorder %\w+, (\d+) /\* loop exit test")
+_EXIT_TEST = re.compile(r"scmp\.ge\.s32\.totalorder (%s\d+)_?\w*, (\d+) /\* loop exit test")
+# A DMA the kernel issues (not the copy of one a bounds check quotes: "for %N = dma..."): its kind and size.
+_DMA = re.compile(r"(?<!for )%\w+ = dma\.(\w+)\b[^;]*?/\*size_in_granules=\*/(\d+)")
+DMA_GRANULE_BYTES = 32  # a DMA's size_in_granules unit: a [8, 64, 128] bfloat16 block is 4096 granules
+HBM_DMAS = ("hbm_to_vmem", "vmem_to_hbm", "hbm_to_smem", "smem_to_hbm")  # the kinds that move HBM bytes
 
 
 class ScheduleError(ValueError):
@@ -56,8 +60,8 @@ class Span:
 
 @dataclasses.dataclass(frozen=True)
 class Loop:
-    """A loop: bundles ``[start, stop)`` issued ``trips`` times (its exit test's bound: the counter runs
-    from 0 by 1, as the compiler's "iteration index" does)."""
+    """A loop: bundles ``[start, stop)`` issued ``trips`` times (its exit test's bound over the counter's
+    step: the counter runs from 0, by the step its increment adds, more than 1 in an unrolled loop)."""
 
     start: int
     stop: int
@@ -81,6 +85,7 @@ class Schedule:
     loops: tuple[Loop, ...]  # loops inside the body, outermost ones only
     capacity: tuple[int, ...]
     utilization: tuple[tuple[int, ...], ...]  # per bundle
+    dmas: tuple[tuple[tuple[str, int], ...], ...] = ()  # per bundle: the DMAs it issues, (kind, bytes)
 
     @property
     def body(self) -> int:
@@ -89,10 +94,26 @@ class Schedule:
 
     def executed(self, skipped: set[int] = frozenset()) -> int:
         """Bundles one grid step issues when ``skipped`` are not: a loop inside it once per trip."""
-        issued = set(self.issued(skipped))
-        return len(issued) + sum(
-            (loop.trips - 1) * len(issued & set(range(loop.start, loop.stop))) for loop in self.loops
-        )
+        return sum(self._times(skipped).values())
+
+    def _times(self, skipped) -> dict[int, int]:
+        """Each bundle a step issues when ``skipped`` are not, and how many times: its loop's trips."""
+        times = dict.fromkeys(self.issued(skipped), 1)
+        for loop in self.loops:
+            for b in range(loop.start, loop.stop):
+                if b in times:
+                    times[b] = loop.trips
+        return times
+
+    def step_dmas(self, skipped: set[int] = frozenset(), kinds=HBM_DMAS) -> tuple[int, int]:
+        """(count, bytes) of the DMAs of ``kinds`` one grid step issues when ``skipped`` are not, a DMA
+        inside a loop once per trip; every region counted as taken unless skipped."""
+        count = size = 0
+        for b, times in self._times(skipped).items():
+            for kind, nbytes in self.dmas[b] if self.dmas else ():
+                if kind in kinds:
+                    count, size = count + times, size + times * nbytes
+        return count, size
 
     def skipped(self, spans) -> set[int]:
         """Bundle indices not issued when ``spans`` are skipped."""
@@ -177,11 +198,25 @@ def _delay_slots(lines, branches: list[int], path: str) -> int:
 
 
 def _trips(lines, start: int, stop: int, path: str) -> int:
-    """The trip count of the loop ``[start, stop)``: the bound of the last exit test inside it."""
-    found = [int(m.group(1)) for _, line in lines[start:stop] if (m := _EXIT_TEST.search(line))]
+    """The trip count of the loop ``[start, stop)``: the bound of the last exit test inside it over the
+    step of the counter it tests (``%sN = sadd.s32 STEP, ...`` inside the loop; 1 where the counter is
+    not incremented by a constant there, as the grid loop's is not)."""
+    found = [m.groups() for _, line in lines[start:stop] if (m := _EXIT_TEST.search(line))]
     if not found:
         raise ScheduleError(f"{path}: the loop at bundle {start} has no exit test with a constant bound")
-    return found[-1]
+    counter, bound = found[-1]
+    increment = re.compile(re.escape(counter) + r"_?\w* = sadd\.s32 (\d+), ")
+    steps = [int(m.group(1)) for _, line in lines[start:stop] if (m := increment.search(line))]
+    step = steps[-1] if steps else 1
+    return -(-int(bound) // step)
+
+
+def _dmas(lines) -> tuple[tuple[tuple[str, int], ...], ...]:
+    """Per bundle, the DMAs it issues: (kind, bytes)."""
+    return tuple(
+        tuple((m.group(1), int(m.group(2)) * DMA_GRANULE_BYTES) for m in _DMA.finditer(line))
+        for _, line in lines
+    )
 
 
 def parse(bundles_path: str, utilization_path: str) -> Schedule:
@@ -234,4 +269,5 @@ def parse(bundles_path: str, utilization_path: str) -> Schedule:
         loops=tuple(sorted(loops, key=lambda loop_: loop_.start)),
         capacity=capacity,
         utilization=rows,
+        dmas=_dmas(lines),
     )

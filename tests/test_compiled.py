@@ -128,3 +128,47 @@ def test_compiled_schedule_of_the_production_kernels(tmp_path):
         mp.setitem(compiled.BRANCHES, ("dk", True), wrong)
         with pytest.raises(compiled.StructureError, match=r"dk: the step's \d+ branch regions hold no run"):
             compiled.steps("dk", True, sched, n_blocks)
+
+
+# A grid loop of 10 steps holding a loop unrolled by 8 (its counter steps by 8 to 1024: 128 trips) that
+# issues a 512-byte row gather each trip, then a 128 KiB write-back and six idle bundles; the bounds check's quote of the
+# gather is not a DMA. Two delay slots after each branch.
+SYNTHETIC_BUNDLES = """\
+   0x0 LB: > { %s1_s1 = sphi %s0_s0, %s2_s2 } /* Start region 1 */
+   0x1   : > { %s3_s3 = sadd.s32 1, %s1_s1 }
+   0x2 LB: >> { %s5_s5 = sphi %s4_s4, %s6_s5 } /* Start region 2 */
+   0x3   : >> { %10 = dma.hbm_to_vmem [thread:$0]  /*hbm=*/%s3, /*size_in_granules=*/16, /*vmem=*/%s4  ;;  %s6_s5 = sadd.s32 8, %s5_s5 }
+   0x4   : >> { %12 = shalt.err (!%p1) /* BoundsCheck 2 for %10 = dma.hbm_to_vmem [thread:$0]  /*hbm=*/%s3, /*size_in_granules=*/16, /*vmem=*/%s4 */ }
+   0x5   : >> { %p7_p1 = scmp.ge.s32.totalorder %s6_s5, 1024 /* loop exit test */ }
+   0x6   : >> { %8 = sbr.rel (!%p7_p1) target = $region2 }
+   0x7   : >> { %s9_s9 = smov 0 }
+   0x8   : >> { %s9_s9 = smov 0 } /* End region 2 */
+   0x9   : > { %11 = dma.vmem_to_hbm [thread:$0]  /*vmem=*/%s3, /*size_in_granules=*/4096, /*hbm=*/%s4 }
+   0xa   : > { %s9_s9 = smov 0 }
+   0xb   : > { %s9_s9 = smov 0 }
+   0xc   : > { %s9_s9 = smov 0 }
+   0xd   : > { %s9_s9 = smov 0 }
+   0xe   : > { %s9_s9 = smov 0 }
+   0xf   : > { %s9_s9 = smov 0 }
+   0x10  : > { %p20_p2 = scmp.ge.s32.totalorder %s3_s3, 10 /* loop exit test */ }
+   0x11  : > { %9 = sbr.rel (!%p20_p2) target = $region1 }
+   0x12  : > { %s9_s9 = smov 0 }
+   0x13  : > { %s9_s9 = smov 0 } /* End region 1 */
+   0x14  : > { %13 = shalt }
+"""
+
+
+def test_schedule_counts_unrolled_trips_and_dmas(tmp_path):
+    bundles, utilization = tmp_path / "final_bundles.txt", tmp_path / "utilization.txt"
+    bundles.write_text(SYNTHETIC_BUNDLES)
+    rows = ["0 0 0 0 0 0 0 0 0 1"] * 21
+    utilization.write_text("== CAPACTIY:\n" + ", ".join(schedule.UNITS) + "\n2 2 4 2 1 3 3 2 2 2\n== UTILIZATION:\n"
+                           + "\n".join(rows) + "\n")  # fmt: skip
+    sched = schedule.parse(str(bundles), str(utilization))
+    assert sched.grid_trips == 10
+    assert [(loop.start, loop.stop, loop.trips) for loop in sched.loops] == [(2, 9, 128)]
+    assert sched.body == 20 and sched.executed() == 20 + 127 * 7
+    # per step: 128 gathers of 16 granules (32 bytes each) and one write-back of 4096
+    assert sched.step_dmas() == (129, 128 * 16 * 32 + 4096 * 32)
+    assert sched.step_dmas(kinds=("vmem_to_hbm",)) == (1, 4096 * 32)
+    assert sched.step_dmas(sched.skipped([schedule.Span(8, 9, 10, "")])) == (128, 128 * 16 * 32)
