@@ -113,49 +113,33 @@ def block_empty(any_lo, any_hi, lo, hi):
 
 
 # The sparse kernels (``sparse_score``): grid (batch, q block of SPARSE_BLOCK_Q queries), k of one batch
-# element resident in VMEM, each query's top_k rows gathered into a scratch.
+# element resident in VMEM as float32 rows (16- and 8-bit k upcast exactly), each query's top_k rows
+# gathered into a float32 scratch.
 
 SPARSE_BLOCK_Q = 8  # queries per grid step of the sparse kernels
-SPARSE_GATHER_CHUNK = 8  # rows gathered per store into the scratch, at least (see sparse_gather_chunk)
+# Slots a gather loop trip moves, unrolled: a row each is an SMEM index load, an address, and a one-row
+# load and store, the scalar unit's work; unrolled, the compiler overlaps the rows (the TPU compiler's
+# schedule: ~2 bundles a float32 row, against ~8 for the aligned 16-row group reads of bfloat16 k
+# that resident float32 rows replace). top_k is padded to whole trips.
+SPARSE_GATHER_UNROLL = 16
+SPARSE_SCATTER_UNROLL = 8  # dk rows added per trip (a row's load still waits on the stores before it)
 
 
-def sparse_gather_chunk(gather_dtype):
-    """Slots a gather stores at once: SPARSE_GATHER_CHUNK, or the sublane tile of the gathered rows'
-    dtype where that is more rows (16 of bfloat16: a store at a multiple of 8 rows only is not provably
-    aligned in a packed array)."""
-    return max(SPARSE_GATHER_CHUNK, sublanes(gather_dtype))
-
-
-def sparse_gather_group(k_dtype):
-    """Rows of k a gathered row is read with: 1 for 32-bit k, whose single-row reads at a dynamic row
-    Mosaic accepts; else the dtype's native sublane tile (16 bfloat16, 32 float8), read whole at a
-    tile-aligned start, as Mosaic must prove a read's row offset into a packed array a multiple of its
-    tile (a single bfloat16 row at a dynamic row fails: E2003, unproven alignment)."""
-    return 1 if itemsize(k_dtype) == 4 else sublanes(k_dtype)
-
-
-def sparse_k_rows(num_blocks, k_dtype):
-    """Rows of the resident k block (and of the dk block): W rounded up to whole gather groups, so that
-    a group read never leaves the block; past W the rows are the pipeline's padding, never selected."""
-    return round_up(num_blocks, sparse_gather_group(k_dtype))
-
-
-def sparse_top_k_pad(top_k, gather_dtype):
-    """top_k rounded up to whole gather chunks of the gathered rows' dtype."""
-    return round_up(top_k, sparse_gather_chunk(gather_dtype))
+def sparse_top_k_pad(top_k, gather_dtype=None):
+    """top_k rounded up to whole gather trips (``gather_dtype`` does not matter: the scratch is float32)."""
+    return round_up(top_k, SPARSE_GATHER_UNROLL)
 
 
 def sparse_vmem_bytes(num_blocks, head_dim, num_heads, top_k_pad, k_dtype, gather_dtype, q_dtype):
-    """VMEM the sparse backward kernel (the larger of the two) holds: k for one batch element and its
-    float32 dk accumulator resident (both double-buffered by the pipeline), the gathered rows and
-    their float32 dk, the float32 staging of 16- and 8-bit k's row groups, the query blocks, and the
-    in-flight [top_k, H] float32 tiles."""
+    """VMEM the sparse backward kernel (the larger of the two) holds: k of one batch element as float32
+    rows and its float32 dk accumulator resident (one buffer each: their block changes only with the
+    batch element), the gathered float32 rows, their copy in ``gather_dtype`` and their float32 dk,
+    the query blocks, and the in-flight [top_k, H] float32 tiles. ``k_dtype`` does not matter: k is
+    resident as float32 whatever it arrives as."""
     lanes = lambda n: round_up(n, LANES)
-    resident = 2 * num_blocks * lanes(head_dim) * (itemsize(k_dtype) + 4)
-    gathered = top_k_pad * lanes(head_dim) * (itemsize(gather_dtype) + 4)
-    group = sparse_gather_group(k_dtype)  # the staging scratch: a float32 group per slot of a chunk, if > 1
-    staging = (sparse_gather_chunk(gather_dtype) * group if group > 1 else 0) * lanes(head_dim) * 4
+    resident = 2 * round_up(num_blocks, SUBLANES_BY_ITEMSIZE[4]) * lanes(head_dim) * 4
+    gathered = top_k_pad * lanes(head_dim) * (4 + itemsize(gather_dtype) + 4)
     queries = 2 * SPARSE_BLOCK_Q * num_heads * lanes(head_dim) * (itemsize(q_dtype) + 4)
     slots = 2 * 3 * SPARSE_BLOCK_Q * lanes(top_k_pad) * 4 + 2 * 2 * SPARSE_BLOCK_Q * lanes(num_heads) * 4
     in_flight = 6 * top_k_pad * lanes(num_heads) * 4
-    return resident + gathered + staging + queries + slots + in_flight
+    return resident + gathered + queries + slots + in_flight

@@ -1044,13 +1044,15 @@ def sparse_vmem_limit(num_blocks, head_dim, num_heads, top_k_pad, k_dtype, gathe
     )
     limit = _geometry.vmem_limit(need, SPARSE_SCOPED_VMEM_DEFAULT_BYTES)
     if limit is not None and limit > SPARSE_VMEM_CAPACITY_BYTES:
-        per_block = _geometry.sparse_vmem_bytes(
-            1, head_dim, num_heads, 0, k_dtype, gather_dtype, q_dtype
-        ) - _geometry.sparse_vmem_bytes(0, head_dim, num_heads, 0, k_dtype, gather_dtype, q_dtype)
+        rows = 1024  # the resident blocks are whole sublane tiles: a per-block cost over many blocks
+        per_block = (
+            _geometry.sparse_vmem_bytes(rows, head_dim, num_heads, 0, k_dtype, gather_dtype, q_dtype)
+            - _geometry.sparse_vmem_bytes(0, head_dim, num_heads, 0, k_dtype, gather_dtype, q_dtype)
+        ) / rows
         fixed = _geometry.sparse_vmem_bytes(0, head_dim, num_heads, top_k_pad, k_dtype, gather_dtype, q_dtype)
         most = int((SPARSE_VMEM_CAPACITY_BYTES / _geometry.VMEM_HEADROOM - fixed) // per_block)
         raise ValueError(
-            f"sparse_score keeps k and a float32 dk of all W={num_blocks} blocks resident in VMEM: "
+            f"sparse_score keeps k and a float32 dk of all W={num_blocks} blocks resident in VMEM (as float32): "
             f"{need / (1 << 20):.1f} MiB ({limit >> 20} MiB with headroom) at D={head_dim}, H={num_heads}, "
             f"top_k={top_k_pad}, more than the {SPARSE_VMEM_CAPACITY_BYTES >> 20} MiB of the smallest target; "
             f"it supports W <= {most} here. Split the keys (context parallelism) or use score"
@@ -1063,7 +1065,7 @@ class SparseOperands(NamedTuple):
     ``_geometry.SPARSE_BLOCK_Q``, slots to ``top_k_pad``."""
 
     q: jax.Array  # [B, S_pad, H, D] (head-major q is transposed: a copy of q, nothing of W)
-    k: jax.Array  # [B, W, D] as given: one block per batch element, resident in VMEM
+    k: jax.Array  # [B, W, D] float32 (16- and 8-bit k upcast: exact): one block per batch element, resident
     weights: jax.Array  # [B, S_pad, H] float32
     rows: jax.Array  # [B, S_pad, top_k_pad] int32: the block each slot gathers; 0 for an empty slot
     valid: jax.Array  # [B, S, top_k] bool: the slot's index lies in [0, W)
@@ -1083,8 +1085,10 @@ class SparseOperands(NamedTuple):
         return self.seq_pad // _geometry.SPARSE_BLOCK_Q
 
     @property
-    def k_rows(self):
-        return _geometry.sparse_k_rows(self.num_blocks, self.k.dtype)
+    def rows_flat(self):
+        """``rows`` as ``[B, S_pad * top_k_pad]``: a q block's indices one flat SMEM block, whose
+        addresses are a base plus the slot (a 2-D SMEM block costs address arithmetic per slot)."""
+        return self.rows.reshape(self.batch, -1)
 
 
 def sparse_prepare(variant, q, k, weights, indices, k_scale, gather_dtype):
@@ -1105,7 +1109,7 @@ def sparse_prepare(variant, q, k, weights, indices, k_scale, gather_dtype):
     if k_scale is not None:
         slot_scale = jnp.take_along_axis(k_scale, rows.reshape(batch, -1), axis=1).reshape(rows.shape)
     return SparseOperands(
-        pad_to(q, 1, seq_pad), k, pad_to(weights.astype(ACCUM_DTYPE), 1, seq_pad),
+        pad_to(q, 1, seq_pad), k.astype(ACCUM_DTYPE), pad_to(weights.astype(ACCUM_DTYPE), 1, seq_pad),
         pad_to(pad_to(rows, 2, top_k_pad), 1, seq_pad), valid, slot_scale,
         batch, num_heads, seq_len, num_blocks, head_dim, top_k, seq_pad, top_k_pad, vmem_limit,
     )  # fmt: skip
@@ -1121,77 +1125,61 @@ def sparse_block_specs(x):
     """BlockSpecs of the sparse kernels over the grid (batch b, q block i).
 
     The indices of one q block come in SMEM through the pipeline (``_geometry.SPARSE_BLOCK_Q * top_k_pad``
-    words, double-buffered: 64 KiB at top_k = 1024; an SMEM-space BlockSpec, which lowers for TPU),
-    never the whole [B, S, top_k] array as scalar prefetch, which does not fit SMEM's 1 MiB. k (and
-    the dk accumulator) are one block per batch element, fetched once per b, of ``x.k_rows`` rows (W
-    rounded up to whole gather groups: past W, the pipeline pads the block); everything else is one
-    q block's.
+    words, flat, double-buffered: 64 KiB at top_k = 1024; an SMEM-space BlockSpec, which lowers for
+    TPU), never the whole [B, S, top_k] array as scalar prefetch, which does not fit SMEM's 1 MiB. k's
+    float32 rows and the float32 dk accumulator are one block per batch element, fetched (written) once
+    per b and single-buffered: a second buffer would hold the next batch element's, for a prefetch at
+    most once per b, at the cost of half the W that fits; everything else is one q block's.
     """
     qb = _geometry.SPARSE_BLOCK_Q
     return dict(
-        rows=pl.BlockSpec((None, qb, x.top_k_pad), lambda b, i: (b, i, 0), memory_space=pltpu.SMEM),
+        rows=pl.BlockSpec((None, qb * x.top_k_pad), lambda b, i: (b, i), memory_space=pltpu.SMEM),
         q=pl.BlockSpec((None, qb, x.num_heads, x.head_dim), lambda b, i: (b, i, 0, 0)),
-        k=pl.BlockSpec((None, x.k_rows, x.head_dim), lambda b, i: (b, 0, 0)),
+        k=pl.BlockSpec(
+            (None, x.num_blocks, x.head_dim), lambda b, i: (b, 0, 0), pipeline_mode=pl.Buffered(1)
+        ),
+        dk=pl.BlockSpec(
+            (None, x.num_blocks, x.head_dim), lambda b, i: (b, 0, 0), pipeline_mode=pl.Buffered(1)
+        ),
         weights=pl.BlockSpec((None, qb, x.num_heads), lambda b, i: (b, i, 0)),
         slots=pl.BlockSpec((None, qb, x.top_k_pad), lambda b, i: (b, i, 0)),
     )
 
 
-def gather_staging(x, gather_dtype):
-    """The float32 VMEM staging scratch of ``gather_rows`` for 16- and 8-bit k (``SparseOperands`` x)
-    gathered in ``gather_dtype``: a group of rows per slot of a gather chunk, so the chunk's unrolled
-    rows do not serialise on one buffer. At D = 128: 64 KiB for bfloat16 k gathered as float32,
-    128 KiB gathered as bfloat16, 256 KiB for float8 k (gathered as bfloat16)."""
-    rows = _geometry.sparse_gather_chunk(gather_dtype) * _geometry.sparse_gather_group(x.k.dtype)
-    return pltpu.VMEM((rows, x.head_dim), jnp.float32)
+def gather_rows(rows_ref, k_ref, gathered_ref, s):
+    """For every slot j of query ``s``: k's float32 row ``rows[s, j]`` as row j of ``gathered_ref``.
 
-
-def gather_rows(rows_ref, k_ref, gathered_ref, s, staging_ref=None):
-    """Row ``rows_ref[s, j]`` of the resident k block into row j of ``gathered_ref``, for every slot j.
-
-    One dynamic row read per slot (a vector gather does not lower for TPU), and one aligned store per
-    ``_geometry.sparse_gather_chunk`` slots (their rows concatenated): fewer, full-tile stores than a row at a
-    time, and, interpreted, a chunk's share of the scratch copies XLA makes at each store.
-
-    float32 k (no ``staging_ref``): the row is read directly. 16- and 8-bit k: Mosaic must prove the row
-    offset of a read from a packed array a multiple of its sublane tile, which a single dynamic row is
-    not; so the row's tile-aligned group of ``_geometry.sparse_gather_group`` rows is read (its start a provable
-    multiple of the group), upcast to float32 into the slot's group of ``staging_ref``
-    (``gather_staging``), and the row read back from there: a single float32 row, which Mosaic accepts
-    at any offset. The upcast is exact; k stays resident in its own dtype.
-    """
-    chunk = _geometry.sparse_gather_chunk(gathered_ref.dtype)
-    group = _geometry.sparse_gather_group(k_ref.dtype)
-    assert (staging_ref is None) == (group == 1), "a staging scratch exactly for 16- and 8-bit k"
-
-    def read_row(t, row):
-        if staging_ref is None:
-            return k_ref[pl.ds(row, 1), :]
-        start = pl.multiple_of(row & -group, group)  # row // group * group: row >= 0, group a power of 2
-        slot = t * group  # slot t's own group of the staging scratch
-        staging_ref[pl.ds(slot, group), :] = k_ref[pl.ds(start, group), :].astype(staging_ref.dtype)
-        return staging_ref[pl.ds(slot + (row & (group - 1)), 1), :]
+    One dynamic single-row read and one single-row store per slot (a 32-bit row at any dynamic row
+    lowers; a vector gather does not), ``_geometry.SPARSE_GATHER_UNROLL`` slots a loop trip, statically
+    unrolled so the compiler overlaps their index loads and addresses."""
+    unroll = _geometry.SPARSE_GATHER_UNROLL
+    base = s * gathered_ref.shape[0]
 
     def body(c, carry):
-        j = pl.multiple_of(c * chunk, chunk)
-        rows = [read_row(t, rows_ref[s, j + t]) for t in range(chunk)]
-        gathered_ref[pl.ds(j, chunk), :] = jnp.concatenate(rows, axis=0).astype(gathered_ref.dtype)
+        j = pl.multiple_of(c * unroll, unroll)
+        for t in range(unroll):
+            gathered_ref[pl.ds(j + t, 1), :] = k_ref[pl.ds(rows_ref[base + j + t], 1), :]
         return carry
 
-    jax.lax.fori_loop(0, gathered_ref.shape[0] // chunk, body, 0)
+    jax.lax.fori_loop(0, gathered_ref.shape[0] // unroll, body, 0)
 
 
 def scatter_add_rows(rows_ref, dk_ref, dk_gathered_ref, s):
-    """dk row ``rows_ref[s, j]`` += row j of ``dk_gathered_ref``, slot by slot, in order: duplicates
-    add up; an empty slot's row is zero (its cotangent is) and adds nothing. A dynamic single-row
-    read-modify-write of float32 VMEM per slot: lowers for TPU (checked on CPU), not run on one."""
+    """dk row ``rows[s, j]`` += row j of ``dk_gathered_ref``, slot by slot, in order: duplicates add up;
+    an empty slot's row is zero (its cotangent is) and adds nothing. A dynamic single-row
+    read-modify-write of float32 VMEM per slot, ``_geometry.SPARSE_SCATTER_UNROLL`` a loop trip,
+    unrolled: a row's load still waits on an earlier store to the same row, which the compiler orders."""
+    unroll = _geometry.SPARSE_SCATTER_UNROLL
+    base = s * dk_gathered_ref.shape[0]
 
-    def body(j, carry):
-        row = rows_ref[s, j]
-        dk_ref[pl.ds(row, 1), :] += dk_gathered_ref[pl.ds(j, 1), :]
+    def body(c, carry):
+        j = pl.multiple_of(c * unroll, unroll)
+        for t in range(unroll):
+            row = rows_ref[base + j + t]
+            dk_ref[pl.ds(row, 1), :] += dk_gathered_ref[pl.ds(j + t, 1), :]
         return carry
 
-    jax.lax.fori_loop(0, dk_gathered_ref.shape[0], body, 0)
+    jax.lax.fori_loop(0, dk_gathered_ref.shape[0] // unroll, body, 0)
 
 
 def sparse_call(kernel, x, *, inputs, outputs, scratch, semantics, work, name, interpret):

@@ -4,16 +4,16 @@
 query, only the top_k blocks of ``indices``; nothing of a variant's tiling or head chunk.
 
 Shared by tpu_hm_fp8_q256_w1024c512_hcall, tpu_sm_fp8_q256_w1024c512_hc16.
-Grid (batch, q block of _runtime.SPARSE_BLOCK_Q queries). k of one batch element is resident in VMEM;
-per query the kernel gathers its top_k rows into scratch and contracts all heads at once, [top_k, D]
-x [H, D]^T: MXU work B * S_pad * top_k_pad * H * D per pass, never W. The backward adds each slot's
-dk row into a resident float32 dk. Indices come in per q block through SMEM; a query's slots are a
-lane-dense row of the score and cotangent, reached by [1, H] x [H, top_k] head sums at HIGHEST.
-A float8_e4m3fn row is read with its aligned 32-row tile (Mosaic cannot prove one packed row at a
-dynamic index aligned), upcast into a float32 staging scratch and read back (_runtime.gather_rows).
-k and the float32 dk of one batch element must fit the smallest target's VMEM
-(_runtime.SPARSE_VMEM_CAPACITY_BYTES): W up to ~30000 bfloat16 keys at H = 64, top_k = 1024; beyond
-it, a ValueError naming W and the limit is raised before anything is traced.
+Grid (batch, q block of _runtime.SPARSE_BLOCK_Q queries). k of one batch element is resident in VMEM
+as float32 rows (upcast exactly); per query the kernel
+gathers its top_k rows, a single-row read and store each, into scratch and contracts all heads at
+once, [top_k, D] x [H, D]^T: MXU work B * S_pad * top_k_pad * H * D per pass, never W. The backward
+adds each slot's dk row into a resident float32 dk. Indices come in per q block through SMEM; a
+query's slots are a lane-dense row of the score and cotangent, reached by [1, H] x [H, top_k] head
+sums at HIGHEST.
+k's rows and the float32 dk of one batch element must fit the smallest target's VMEM
+(_runtime.SPARSE_VMEM_CAPACITY_BYTES): W up to ~50000 keys at H = 64, top_k = 1024; beyond it, a
+ValueError naming W and the limit is raised before anything is traced.
 """
 
 import functools
@@ -67,15 +67,12 @@ def _head_sum(weights, activated):
     )
 
 
-def _sparse_forward_kernel(
-    rows_ref, q_ref, k_ref, weights_ref, out_ref, gathered_ref, staging_ref, *, softmax_scale
-):
+def _sparse_forward_kernel(rows_ref, q_ref, k_ref, weights_ref, out_ref, gathered_ref, *, softmax_scale):
     """Scores of SPARSE_BLOCK_Q queries, a row each: softmax_scale * sum_h weights_h * relu(logits)."""
     for s in range(_runtime.SPARSE_BLOCK_Q):
-        _runtime.gather_rows(rows_ref, k_ref, gathered_ref, s, staging_ref)
-        logits = _sparse_logits(
-            gathered_ref[...], _sparse_query(q_ref, s, gathered_ref.dtype), MATMUL_PRECISION
-        )
+        _runtime.gather_rows(rows_ref, k_ref, gathered_ref, s)
+        gathered = gathered_ref[...].astype(SPARSE_GATHER_DTYPE)
+        logits = _sparse_logits(gathered, _sparse_query(q_ref, s, SPARSE_GATHER_DTYPE), MATMUL_PRECISION)
         weights = weights_ref[s : s + 1, :]  # [1, H]
         out_ref[s : s + 1, :] = softmax_scale * _head_sum(weights, jnp.maximum(logits, 0.0))
 
@@ -83,7 +80,7 @@ def _sparse_forward_kernel(
 def _sparse_backward_kernel(
     rows_ref, q_ref, k_ref, weights_ref, g_ref,  # inputs
     dq_ref, dweights_ref, dk_ref, unscaled_ref,  # outputs
-    gathered_ref, dk_gathered_ref, staging_ref,  # scratch
+    gathered_ref, dk_gathered_ref,  # scratch
     *, softmax_scale,
 ):  # fmt: skip
     """dq and dweights of SPARSE_BLOCK_Q queries; their dk rows added into the resident float32 dk
@@ -94,8 +91,8 @@ def _sparse_backward_kernel(
         dk_ref[...] = jnp.zeros_like(dk_ref)
 
     for s in range(_runtime.SPARSE_BLOCK_Q):
-        _runtime.gather_rows(rows_ref, k_ref, gathered_ref, s, staging_ref)
-        gathered = gathered_ref[...]
+        _runtime.gather_rows(rows_ref, k_ref, gathered_ref, s)
+        gathered = gathered_ref[...].astype(SPARSE_BACKWARD_GATHER_DTYPE)
         q_s = _sparse_query(q_ref, s, gathered.dtype)
         logits = _sparse_logits(gathered, q_s, SPARSE_BACKWARD_PRECISION)  # [top_k, H]
         g = g_ref[s : s + 1, :]  # [1, top_k]: zero at empty slots, times each slot's k_scale
@@ -127,16 +124,13 @@ def forward(variant, q, k, weights, indices, k_scale, softmax_scale, interpret):
         functools.partial(_sparse_forward_kernel, softmax_scale=softmax_scale),
         x,
         inputs={
-            "rows": ("rows", x.rows),
+            "rows": ("rows", x.rows_flat),
             "q": ("q", x.q),
             "k": ("k", x.k),
             "weights": ("weights", x.weights),
         },
         outputs={"out": ("slots", (_runtime.slots_shape(x), jnp.float32))},
-        scratch=[
-            pltpu.VMEM((x.top_k_pad, x.head_dim), SPARSE_GATHER_DTYPE),
-            _runtime.gather_staging(x, SPARSE_GATHER_DTYPE),
-        ],
+        scratch=[pltpu.VMEM((x.top_k_pad, x.head_dim), jnp.float32)],
         semantics=("parallel", "parallel"),
         work=_runtime.sparse_flops(x, SPARSE_WORK["forward"], SPARSE_ROW_DOTS["forward"]),
         name=f"{variant['name']}_sparse_forward",
@@ -157,20 +151,16 @@ def backward(variant, softmax_scale, interpret, q, k, weights, indices, k_scale,
         functools.partial(_sparse_backward_kernel, softmax_scale=softmax_scale),
         x,
         inputs={
-            "rows": ("rows", x.rows), "q": ("q", x.q), "k": ("k", x.k), "weights": ("weights", x.weights),
+            "rows": ("rows", x.rows_flat), "q": ("q", x.q), "k": ("k", x.k), "weights": ("weights", x.weights),
             "g": ("slots", _runtime.slot_rows(g * x.slot_scale, x.seq_pad, x.top_k_pad)),
         },
         outputs={
             "dq": ("q", (x.q.shape, dq_dtype)),
             "dweights": ("weights", (x.weights.shape, jnp.float32)),
-            "dk": ("k", (x.k.shape, jnp.float32)),
+            "dk": ("dk", ((x.batch, x.num_blocks, x.head_dim), jnp.float32)),
             "unscaled": ("slots", (_runtime.slots_shape(x), jnp.float32)),
         },
-        scratch=[
-            pltpu.VMEM((x.top_k_pad, x.head_dim), SPARSE_BACKWARD_GATHER_DTYPE),
-            pltpu.VMEM((x.top_k_pad, x.head_dim), jnp.float32),
-            _runtime.gather_staging(x, SPARSE_BACKWARD_GATHER_DTYPE),
-        ],
+        scratch=[pltpu.VMEM((x.top_k_pad, x.head_dim), jnp.float32), pltpu.VMEM((x.top_k_pad, x.head_dim), jnp.float32)],
         semantics=("parallel", "arbitrary"),
         work=_runtime.sparse_flops(x, SPARSE_WORK["backward"], SPARSE_ROW_DOTS["backward"]),
         name=f"{variant['name']}_sparse_backward",
