@@ -4,8 +4,9 @@ Each table in README.md follows a marker line ``<!-- output of: COMMAND -->`` an
 right after it (or, after ``<!-- markdown output of: COMMAND -->``, the markdown up to
 ``<!-- end of output -->``). ``python benchmarks/readme_tables.py`` reruns every COMMAND from the repository root
 and rewrites its block; ``--check`` writes nothing and exits 1 with a diff when any block has drifted
-(the test suite runs it). Tables marked ``<!-- compiled output of: COMMAND -->`` come from the TPU
-compiler and take minutes: only ``--compiled`` reruns them (with ``--check``, it checks them too).
+(the test suite runs it). Tables marked ``<!-- compiled output of: COMMAND -->`` (or ``<!-- compiled
+markdown output of: COMMAND -->``) come from the TPU compiler and take minutes: only ``--compiled``
+reruns them (with ``--check``, it checks them too).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ README = ROOT / "README.md"
 _TABLE = re.compile(
     r"(<!-- (?P<compiled>compiled )?output of: (?P<command>.+?) -->\n```text\n)(?P<body>.*?)(```)"
     # Markdown output (a table GitHub renders) runs up to an end marker instead of a fence.
-    r"|(<!-- markdown output of: (?P<md_command>.+?) -->\n)(?P<md_body>.*?)(<!-- end of output -->)",
+    r"|(<!-- (?P<md_compiled>compiled )?markdown output of: (?P<md_command>.+?) -->\n)(?P<md_body>.*?)"
+    r"(<!-- end of output -->)",
     re.DOTALL,
 )
 
@@ -47,7 +49,9 @@ def rendered(text: str, compiled: bool = False) -> str:
             if m.group("compiled") and not compiled:
                 return m.group(0)
             return m.group(1) + run(m.group("command")) + m.group(5)
-        return m.group(6) + run(m.group("md_command")) + m.group(9)
+        if m.group("md_compiled") and not compiled:
+            return m.group(0)
+        return m.group(6) + run(m.group("md_command")) + m.group(10)
 
     return _TABLE.sub(block, text)
 
