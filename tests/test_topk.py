@@ -82,6 +82,26 @@ def test_select_orders_ties_zeros_and_non_finite_entries():
     np.testing.assert_array_equal(np.asarray(index), np.asarray(topk_indices(scores[None], 8))[0])
 
 
+def test_bfloat16_scores_search_16_bits_to_the_same_threshold():
+    """bfloat16 scores' keys differ in their top 16 bits only: the 16-pass search finds the threshold
+    the 32-pass one does, for every wanted count (0, a tie, all visible) and signs, zeros and masks."""
+    rng = np.random.default_rng(0)
+    scores = rng.standard_normal((6, 300)).astype(np.float32)
+    scores[0, :150] = -np.abs(scores[0, :150])  # the threshold among negative scores
+    scores[1] = np.round(scores[1])  # ties
+    scores[2, ::3] = -np.inf  # masked
+    scores[3, :] = -0.0
+    scores[4, :250] = -np.inf  # fewer visible than wanted
+    scores = jnp.asarray(scores, jnp.bfloat16)
+    keys = topk_module._keys(scores)
+    visible = jnp.sum(keys > 0, axis=-1, keepdims=True, dtype=jnp.int32)
+    for top_k in (0, 1, 7, 64, 150, 300):
+        wanted = jnp.minimum(visible, top_k)
+        full = topk_module._threshold(keys, wanted)
+        np.testing.assert_array_equal(np.asarray(topk_module._threshold(keys, wanted, 16)), np.asarray(full))
+    assert topk_module.SIGNIFICANT_BITS[jnp.dtype(jnp.bfloat16)] == 16
+
+
 @pytest.mark.parametrize("name", ["tpu_hm_f32_q16_w128_hcall", "tpu_sm_bf16_q16_w128_hc16"])
 def test_score_topk_gradient_is_the_dense_scores_at_the_selection(name):
     module = VARIANTS[name]

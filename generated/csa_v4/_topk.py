@@ -9,8 +9,9 @@ and each chunk is cut down to top_k at once, exactly:
 
 1. ``_keys``: each score's float32 bits as a uint32 in the scores' total order (a non-finite score,
    such as the masked value, is 0, below every visible one);
-2. ``_threshold``: a radix search for the top_k-th largest key, one bit at a time from the top: 32
-   counting passes over the row, no sort;
+2. ``_threshold``: a radix search for the top_k-th largest key, one bit at a time from the top: a
+   counting pass over the row per bit that can differ, 16 for bfloat16 scores (their float32 bits
+   end in 16 zeros), 32 otherwise; no sort;
 3. the blocks above the threshold and, of those at it, the lowest-indexed ones are kept: exactly
    top_k (or every visible block of a row that has fewer);
 4. ``_compact``: slot j takes the block where the running count of kept blocks reaches j + 1, found
@@ -54,6 +55,11 @@ def queries_per_chunk(batch, seq_len, num_blocks, working_bytes=DEFAULT_WORKING_
     return chunk if chunk < granule else chunk // granule * granule
 
 
+# Top bits of a score's float32 bits that can differ between scores of its dtype: bfloat16 is float32's
+# top 16 bits. (float16's 10-bit mantissa lands in 13 of float32's, with its own exponent: all 32.)
+SIGNIFICANT_BITS = {jnp.dtype(jnp.bfloat16): 16}
+
+
 def _keys(scores):
     """uint32 keys in the total order of the float32 ``scores`` (-0.0 below +0.0, as ``lax.top_k``
     orders them); 0 for a non-finite score (masked, NaN, inf: never a visible block), below every other."""
@@ -62,9 +68,14 @@ def _keys(scores):
     return jnp.where(jnp.isfinite(scores), keys, jnp.uint32(0))
 
 
-def _threshold(keys, wanted):
+def _threshold(keys, wanted, bits=32):
     """Per row, the largest key t with at least ``wanted`` keys >= t: the wanted-th largest key, found
-    bit by bit from the top (32 counting passes over the row)."""
+    bit by bit from the top, one counting pass over the row per bit.
+
+    ``bits`` < 32: every key's low 32 - bits bits are all 0 (a positive score's) or all 1 (a negative
+    one's: the key is its complement), so only the top ``bits`` are searched and the low ones follow:
+    those of the key found (all 1 where its top bit is clear), or all 1 where ``wanted`` is 0 (every
+    candidate then has enough keys), as the full search would set them."""
 
     def step(bit, t):
         candidate = t | jax.lax.shift_left(jnp.uint32(1), (31 - bit).astype(jnp.uint32))
@@ -72,7 +83,11 @@ def _threshold(keys, wanted):
         return jnp.where(enough, candidate, t)
 
     start = keys[..., :1] & jnp.uint32(0)  # zeros that vary over a shard_map's axes as keys do
-    return jax.lax.fori_loop(0, 32, step, start)
+    t = jax.lax.fori_loop(0, bits, step, start)
+    if bits < 32:
+        low = jnp.uint32((1 << (32 - bits)) - 1)
+        t = jnp.where((wanted == 0) | (t >> 31 == 0), t | low, t)
+    return t
 
 
 def _compact(kept, slots):
@@ -97,7 +112,7 @@ def select(scores, top_k):
     keys = _keys(scores)
     visible = jnp.sum(keys > 0, axis=-1, keepdims=True, dtype=jnp.int32)
     wanted = jnp.minimum(visible, top_k)
-    t = _threshold(keys, wanted)
+    t = _threshold(keys, wanted, SIGNIFICANT_BITS.get(jnp.dtype(scores.dtype), 32))
     above = keys > t
     ties = (keys == t) & (keys > 0)
     room = wanted - jnp.sum(above, axis=-1, keepdims=True, dtype=jnp.int32)
