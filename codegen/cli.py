@@ -209,9 +209,6 @@ def _explain(args: argparse.Namespace) -> int:
     if args.compiled:
         _require_compiler()
         chip_names = _tpu_chips(args.chip)
-        if "topk" in _programs(args.programs):
-            raise UsageError("explain --compiled does not cost score_topk's selection yet; `codegen compile "
-                             "--programs topk` compiles it")  # fmt: skip
         if args.rank:
             return _rank(args, family, chip_names)
         rows = compiled.explain(
@@ -341,7 +338,7 @@ def parser() -> argparse.ArgumentParser:
         help="compile with libtpu (the tpu extra) and report the compiled schedule instead of the model",
     )
     p.add_argument(
-        "--programs", default="fwd,grad", help="with --compiled: of fwd,grad,sparse_fwd,sparse_grad"
+        "--programs", default="fwd,grad", help="with --compiled: of fwd,grad,sparse_fwd,sparse_grad,topk"
     )
     p.add_argument(
         "--rank",

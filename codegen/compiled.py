@@ -28,7 +28,9 @@ has no branch and is not in ``BRANCHES``: its instructions issue on every path, 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import itertools
+import sys
 
 import numpy as np
 
@@ -428,11 +430,34 @@ def explain(
                     chip=request.chip,
                     model_bytes=model_bytes,
                 )
+                if request.program == "topk" and kp is None:  # one call per query chunk
+                    report = _per_chunk(report, _topk_chunks(family, path, shape, plan))
                 rows.append(Row(*common, True, "", report))
     if not keep:
         for res in results:
             tpu_compile.discard(res)
     return rows
+
+
+def _topk_chunks(family: str, path: str, shape, plan: VariantPlan) -> int:
+    """The query chunks ``score_topk`` scores and cuts at ``shape``, by the family's own rule."""
+    if path and path not in sys.path:
+        sys.path.insert(0, path)
+    topk = importlib.import_module(f"{family}._topk")
+    batch, _, seq_len, _, num_blocks = shape
+    chunk = topk.queries_per_chunk(batch, seq_len, num_blocks, block_q=plan.block_q)
+    return -(-seq_len // chunk)
+
+
+def _per_chunk(report: KernelReport, chunks: int) -> KernelReport:
+    """A kernel called once per query chunk: its call's cycles, steps and bytes times the chunks."""
+    return dataclasses.replace(
+        report,
+        steps=report.steps * chunks,
+        cycles=report.cycles * chunks,
+        call_bytes=report.call_bytes * chunks,
+        calibration_cycles=report.calibration_cycles,
+    )
 
 
 def table(rows: list[Row], shape) -> str:

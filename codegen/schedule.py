@@ -28,7 +28,8 @@ UNITS = ("MXU", "XLU", "VALU", "VPOP", "EUP", "VLOAD", "VLOAD:FILL", "VSTORE", "
 _BUNDLE = re.compile(r"^\s*(0x[0-9a-f]+|\d+)\s+(LB|LH|LE|PB|PF|CT)?\s*:")
 _STARTS = re.compile(r"(?:Start|Start/End empty) region (\d+)\b")
 _BRANCH = re.compile(r"sbr\.rel \((!?%\w+)\) target = \$region(\d+)")
-_EXIT_TEST = re.compile(r"scmp\.ge\.s32\.totalorder (%s\d+)_?\w*, (\d+) /\* loop exit test")
+# (a predicated test, inside an outer loop's body: "totalorder (%p1), %s2_s3, 16")
+_EXIT_TEST = re.compile(r"scmp\.ge\.s32\.totalorder (?:\(!?%\w+\), )?(%s\d+)_?\w*, (\d+) /\* loop exit test")
 # A DMA the kernel issues (not the copy of one a bounds check quotes: "for %N = dma..."): its kind and size.
 _DMA = re.compile(r"(?<!for )%\w+ = dma\.(\w+)\b[^;]*?/\*size_in_granules=\*/(\d+)")
 DMA_GRANULE_BYTES = 32  # a DMA's size_in_granules unit: a [8, 64, 128] bfloat16 block is 4096 granules
@@ -82,7 +83,7 @@ class Schedule:
     body_stop: int
     spans: tuple[Span, ...]  # top level of the body, program order
     grid_trips: int  # iterations of the grid loop (the pipeline's prologue and epilogue included)
-    loops: tuple[Loop, ...]  # loops inside the body, outermost ones only
+    loops: tuple[Loop, ...]  # loops inside the body, nested ones too
     capacity: tuple[int, ...]
     utilization: tuple[tuple[int, ...], ...]  # per bundle
     dmas: tuple[tuple[tuple[str, int], ...], ...] = ()  # per bundle: the DMAs it issues, (kind, bytes)
@@ -97,12 +98,13 @@ class Schedule:
         return sum(self._times(skipped).values())
 
     def _times(self, skipped) -> dict[int, int]:
-        """Each bundle a step issues when ``skipped`` are not, and how many times: its loop's trips."""
+        """Each bundle a step issues when ``skipped`` are not, and how many times: the product of the
+        trips of the loops it is in (a loop nested in another runs its trips on each outer trip)."""
         times = dict.fromkeys(self.issued(skipped), 1)
         for loop in self.loops:
             for b in range(loop.start, loop.stop):
                 if b in times:
-                    times[b] = loop.trips
+                    times[b] *= loop.trips
         return times
 
     def step_dmas(self, skipped: set[int] = frozenset(), kinds=HBM_DMAS) -> tuple[int, int]:
@@ -178,13 +180,16 @@ FEW_BRANCHES = 8  # below this many, a single close at the farthest distance is 
 
 
 def _delay_slots(lines, branches: list[int], path: str) -> int:
-    """The chip's delay slots: the largest distance after a branch at which many branches (a third or
-    more) close a region. A branch's own region closes there; a region that closes sooner is nested, or
+    """The chip's delay slots: the largest distance after a branch at which every branch closes a
+    region, else the largest at which many (a third or more) do. A branch's own region closes there; a region that closes sooner is nested, or
     ends early because the compiler moved the skippable region's first, predicated, ops into the slots."""
     closes = {
         d: sum(1 for n in branches if n + d < len(lines) and "End region" in lines[n + d][1])
         for d in range(1, MAX_DELAY_SLOTS + 1)
     }
+    every = [d for d, count in closes.items() if branches and count == len(branches)]
+    if every:  # every branch closes a region there: its own (a small kernel's few branches)
+        return max(every)
     many = [d for d, count in closes.items() if count * 3 >= len(branches)]
     if not many and len(branches) <= FEW_BRANCHES:
         # A step with few branches (one region per kernel phase) may close most of them early: the
@@ -197,11 +202,20 @@ def _delay_slots(lines, branches: list[int], path: str) -> int:
     return max(many)
 
 
-def _trips(lines, start: int, stop: int, path: str) -> int:
-    """The trip count of the loop ``[start, stop)``: the bound of the last exit test inside it over the
-    step of the counter it tests (``%sN = sadd.s32 STEP, ...`` inside the loop; 1 where the counter is
-    not incremented by a constant there, as the grid loop's is not)."""
-    found = [m.groups() for _, line in lines[start:stop] if (m := _EXIT_TEST.search(line))]
+def _trips(lines, start: int, stop: int, path: str, predicate: str = "") -> int:
+    """The trip count of the loop ``[start, stop)``: the bound of its exit test over the step of the
+    counter it tests (``%sN = sadd.s32 STEP, ...`` inside the loop; 1 where the counter is not
+    incremented by a constant there, as the grid loop's is not). Its exit test is the one that sets
+    ``predicate``, the loop's back branch's (an outer loop's test may be scheduled inside an inner
+    loop); without one of those, the last exit test inside the loop."""
+    tests = [(m, line) for _, line in lines[start:stop] for m in _EXIT_TEST.finditer(line)]
+    name = predicate.lstrip("!").split("_")[0]
+    own = [
+        m.groups()
+        for m, line in tests
+        if name and re.search(re.escape(name) + r"(_\w+)? = $", line[: m.start()])
+    ]
+    found = own or [m.groups() for m, _ in tests]
     if not found:
         raise ScheduleError(f"{path}: the loop at bundle {start} has no exit test with a constant bound")
     counter, bound = found[-1]
@@ -248,24 +262,22 @@ def parse(bundles_path: str, utilization_path: str) -> Schedule:
         for n, target, p in branches
         if loop <= n < target <= body_stop
     ]
-    # an inner loop: a branch back to an LB inside the body; only the outermost ones are kept
-    inner = [
-        (target, n + delay + 1)
-        for n, target, _ in branches
+    # an inner loop: a branch back to an LB inside the body (nested ones too: their trips multiply)
+    inner = {
+        (target, n + delay + 1): p
+        for n, target, p in branches
         if loop < target <= n < body_stop and lines[target][0] == "LB"
-    ]
-    loops = [
-        Loop(a, b, _trips(lines, a, b, bundles_path))
-        for a, b in inner
-        if not any(c <= a and b <= d and (c, d) != (a, b) for c, d in inner)
-    ]
+    }
+    loops = [Loop(a, b, _trips(lines, a, b, bundles_path, p)) for (a, b), p in inner.items()]
     capacity, rows = _utilization(utilization_path, len(lines))
     return Schedule(
         bundles=len(lines),
         body_start=loop,
         body_stop=body_stop,
         spans=_tree(forward),
-        grid_trips=_trips(lines, loop, body_stop, bundles_path),
+        grid_trips=_trips(
+            lines, loop, body_stop, bundles_path, next(p for n, t, p in branches if n == max(back))
+        ),
         loops=tuple(sorted(loops, key=lambda loop_: loop_.start)),
         capacity=capacity,
         utilization=rows,

@@ -35,7 +35,8 @@ PROGRAMS = {
     "grad": ("forward", "dq_dweights", "dk"),
     "sparse_fwd": ("sparse_forward",),
     "sparse_grad": ("sparse_forward", "sparse_backward"),
-    "topk": ("forward",),  # score_topk: the forward kernel on query chunks, then the selection (XLA)
+    # score_topk: the forward kernel on query chunks, each cut by the threshold kernel, then XLA's rest
+    "topk": ("forward", "topk_threshold"),
 }
 GATE_PROGRAMS = ("fwd", "grad", "sparse_fwd", "sparse_grad")  # what `codegen compile` compiles by default
 CALIBRATION = "calibration"  # the plain matmul every kernel's cycles are compared with

@@ -172,3 +172,14 @@ def test_schedule_counts_unrolled_trips_and_dmas(tmp_path):
     assert sched.step_dmas() == (129, 128 * 16 * 32 + 4096 * 32)
     assert sched.step_dmas(kinds=("vmem_to_hbm",)) == (1, 4096 * 32)
     assert sched.step_dmas(sched.skipped([schedule.Span(8, 9, 10, "")])) == (128, 128 * 16 * 32)
+
+
+def test_a_nested_loop_runs_its_trips_on_every_outer_trip():
+    # bundles 2-7 loop 4 times; 3-4, inside, 3 times each of those
+    sched = schedule.Schedule(
+        bundles=10, body_start=0, body_stop=10, spans=(), grid_trips=1,
+        loops=(schedule.Loop(2, 8, 4), schedule.Loop(3, 5, 3)), capacity=(1,) * len(schedule.UNITS),
+        utilization=((0,) * len(schedule.UNITS),) * 10, dmas=((),) * 4 + ((("hbm_to_vmem", 64),),) + ((),) * 5,
+    )  # fmt: skip
+    assert sched.executed() == 4 * 1 + 4 * 4 + 2 * 12
+    assert sched.step_dmas() == (12, 12 * 64)

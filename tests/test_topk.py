@@ -76,7 +76,7 @@ def test_score_topk_is_the_dense_selection_bit_for_bit(name):
 
 def test_select_orders_ties_zeros_and_non_finite_entries():
     scores = jnp.array([[0.0, -0.0, 1.0, 1.0, -jnp.inf, jnp.nan, jnp.inf, -2.0, 0.0]], jnp.float32)
-    index, values = topk_module.select(scores, 8)
+    index, values = topk_module.select(scores, 8, interpret=True)
     np.testing.assert_array_equal(np.asarray(index), [[2, 3, 0, 8, 1, 7, -1, -1]])
     assert np.signbit(np.asarray(values)[0, 4]) and np.isneginf(np.asarray(values)[0, 6:]).all()
     np.testing.assert_array_equal(np.asarray(index), np.asarray(topk_indices(scores[None], 8))[0])
@@ -100,6 +100,30 @@ def test_bfloat16_scores_search_16_bits_to_the_same_threshold():
         full = topk_module._threshold(keys, wanted)
         np.testing.assert_array_equal(np.asarray(topk_module._threshold(keys, wanted, 16)), np.asarray(full))
     assert topk_module.SIGNIFICANT_BITS[jnp.dtype(jnp.bfloat16)] == 16
+
+
+@pytest.mark.parametrize("dtype,width", [(jnp.bfloat16, 300), (jnp.float32, 2100)])
+def test_threshold_kernel_is_the_search_in_xla(dtype, width):
+    """The Pallas threshold kernel (interpreted) finds each row's threshold and visible count as the
+    XLA search does: negative, tied, masked, signed-zero, NaN and nearly empty rows, a W off the lane
+    tiles (padded), rows off the row block, and top_k from 1 to more than W."""
+    rng = np.random.default_rng(1)
+    scores = rng.standard_normal((13, width)).astype(np.float32)
+    scores[0] = -np.abs(scores[0])
+    scores[1] = np.round(scores[1])
+    scores[2, ::3] = -np.inf
+    scores[3] = -0.0
+    scores[4, : width - 5] = -np.inf
+    scores[5, 7] = np.nan
+    scores = jnp.asarray(scores, dtype)
+    keys = topk_module._keys(scores)
+    visible = jnp.sum(keys > 0, axis=-1, keepdims=True, dtype=jnp.int32)
+    bits = topk_module.SIGNIFICANT_BITS.get(jnp.dtype(dtype), 32)
+    for top_k in (1, 7, 150, width + 1):
+        t, count = topk_module.threshold(scores, top_k, interpret=True)
+        expected = topk_module._threshold(keys, jnp.minimum(visible, top_k), bits)
+        np.testing.assert_array_equal(np.asarray(t), np.asarray(expected))
+        np.testing.assert_array_equal(np.asarray(count), np.asarray(visible))
 
 
 @pytest.mark.parametrize("name", ["tpu_hm_f32_q16_w128_hcall", "tpu_sm_bf16_q16_w128_hc16"])

@@ -7,9 +7,11 @@ and each chunk is cut down to top_k at once, exactly:
 
 1. ``_keys``: each score's float32 bits as a uint32 in the scores' total order (a non-finite score,
    such as the masked value, is 0, below every visible one);
-2. ``_threshold``: a radix search for the top_k-th largest key, one bit at a time from the top: a
+2. ``threshold``: a radix search for the top_k-th largest key, one bit at a time from the top: a
    counting pass over the row per bit that can differ, 16 for bfloat16 scores (their float32 bits
-   end in 16 zeros), 32 otherwise; no sort;
+   end in 16 zeros), 32 otherwise; no sort. A Pallas kernel (``_threshold_kernel``) reads a block of
+   rows from HBM once and makes every pass over it in VMEM; ``_threshold`` is the same search in XLA,
+   which would read the chunk from HBM once a pass;
 3. the blocks above the threshold and, of those at it, the lowest-indexed ones are kept: exactly
    top_k (or every visible block of a row that has fewer);
 4. ``_compact``: slot j takes the block where the running count of kept blocks reaches j + 1, found
@@ -26,8 +28,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
-from . import _runtime
+from . import _geometry, _runtime
 
 DEFAULT_WORKING_BYTES = 512 * 2**20  # the working set of a chunk of queries, scores included
 # 32-bit words held per score of a chunk while it is selected: the score, its key, the two running
@@ -88,6 +92,100 @@ def _threshold(keys, wanted, bits=32):
     return t
 
 
+# The threshold kernel: a block of rows of a chunk's scores, read once; its counting passes over
+# THRESHOLD_LANES-wide slices of the keys it keeps in VMEM, in int32 (a key's unsigned order is its
+# signed order with the top bit flipped). A pass waits on the one before (it refines the threshold),
+# so a block holds as many rows as THRESHOLD_BLOCK_BYTES of keys allows, up to THRESHOLD_MAX_ROWS: at
+# 8 rows of 2048 blocks a pass is latency, ~43 bundles for 16 vregs of keys.
+THRESHOLD_LANES = 2048
+THRESHOLD_UNROLL = 4  # lane slices a loop trip, where the row has that many
+THRESHOLD_BLOCK_BYTES = 4 * 2**20
+THRESHOLD_MIN_ROWS, THRESHOLD_MAX_ROWS = 8, 64
+_INT_MIN = -(2**31)
+
+
+def _lane_sum(x):
+    """int32 [rows, n * 128] summed into [rows, 128]: whole lane groups added pairwise (a tree, so the
+    adds are log2 n deep, not n: a pass over a wide block is not one long chain), no relayout."""
+    groups = [x[:, j * 128 : (j + 1) * 128] for j in range(x.shape[1] // 128)]
+    while len(groups) > 1:
+        groups = [a + b for a, b in zip(groups[::2], groups[1::2])] + groups[len(groups) - len(groups) % 2 :]
+    return groups[0]
+
+
+def _threshold_kernel(scores_ref, out_ref, keys_ref, *, top_k, bits, lanes):
+    """Per row of the block: the visible count and the threshold ``_threshold`` finds (its bits as
+    int32), in lanes 1 and 0 of the output row. ``lanes``: the width of a counting slice."""
+    width = keys_ref.shape[1]
+    rows = keys_ref.shape[0]
+
+    def to_keys(c, visible):
+        x = scores_ref[:, pl.ds(pl.multiple_of(c * lanes, lanes), lanes)].astype(jnp.float32)
+        b = jax.lax.bitcast_convert_type(x, jnp.int32)
+        key = jnp.where(jnp.abs(x) < jnp.inf, jnp.where(b < 0, b ^ 0x7FFFFFFF, b), _INT_MIN)
+        keys_ref[:, pl.ds(pl.multiple_of(c * lanes, lanes), lanes)] = key
+        return visible + _lane_sum((key != _INT_MIN).astype(jnp.int32))
+
+    zeros = jnp.zeros((rows, 128), jnp.int32)
+    slices = width // lanes
+    unroll = math.gcd(slices, THRESHOLD_UNROLL)  # slices a trip: independent loads and compares to overlap
+    visible = jnp.sum(jax.lax.fori_loop(0, slices, to_keys, zeros, unroll=unroll), axis=1, keepdims=True)
+    wanted = jnp.minimum(visible, top_k)
+
+    def step(bit, t):  # t: the unsigned threshold's bits
+        candidate = t | jax.lax.shift_left(jnp.int32(1), 31 - bit)
+        signed = candidate ^ _INT_MIN
+
+        def count(c, n):
+            keys = keys_ref[:, pl.ds(pl.multiple_of(c * lanes, lanes), lanes)]
+            return n + _lane_sum((keys >= signed).astype(jnp.int32))
+
+        n = jnp.sum(jax.lax.fori_loop(0, slices, count, zeros, unroll=unroll), axis=1, keepdims=True)
+        return jnp.where(n >= wanted, candidate, t)
+
+    t = jax.lax.fori_loop(0, bits, step, jnp.zeros((rows, 1), jnp.int32))
+    if bits < 32:  # the low bits as the full search sets them (see _threshold)
+        t = jnp.where((wanted == 0) | (t >= 0), t | ((1 << (32 - bits)) - 1), t)
+    lane = jax.lax.broadcasted_iota(jnp.int32, (rows, 128), 1)
+    out_ref[...] = jnp.where(lane == 0, t, jnp.where(lane == 1, visible, 0))
+
+
+def threshold(scores, top_k, interpret=False, name="topk_threshold"):
+    """(threshold key [..., 1] uint32, visible count [..., 1] int32) of each row of ``scores`` [..., W]:
+    ``_threshold(_keys(scores), min(visible, top_k))`` and the row's finite entries, from one Pallas
+    kernel that reads each block of rows from HBM once and makes every counting pass in VMEM."""
+    *lead, width = scores.shape
+    rows = scores.reshape(-1, width)
+    padded = _geometry.round_up(width, _geometry.LANES)
+    lanes = math.gcd(padded, THRESHOLD_LANES)  # a slice width dividing the row: whole lane groups
+    if padded != width:  # -inf: not visible, counted nowhere
+        rows = jnp.pad(rows, ((0, 0), (0, padded - width)), constant_values=-jnp.inf)
+    fit = THRESHOLD_BLOCK_BYTES // (4 * padded) // THRESHOLD_MIN_ROWS * THRESHOLD_MIN_ROWS
+    block = (min(THRESHOLD_MAX_ROWS, max(THRESHOLD_MIN_ROWS, fit)), padded)
+    need = 2 * math.prod(block) * rows.dtype.itemsize + math.prod(block) * 4 + 2 * block[0] * 128 * 4
+    out = pl.pallas_call(
+        functools.partial(
+            _threshold_kernel,
+            top_k=top_k,
+            bits=SIGNIFICANT_BITS.get(jnp.dtype(scores.dtype), 32),
+            lanes=lanes,
+        ),
+        grid=(-(-rows.shape[0] // block[0]),),
+        in_specs=[pl.BlockSpec(block, lambda i: (i, 0))],
+        out_specs=pl.BlockSpec((block[0], 128), lambda i: (i, 0)),
+        out_shape=jax.ShapeDtypeStruct((rows.shape[0], 128), jnp.int32),
+        scratch_shapes=[pltpu.VMEM(block, jnp.int32)],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel",),
+            vmem_limit_bytes=_geometry.vmem_limit(need, _runtime.SPARSE_SCOPED_VMEM_DEFAULT_BYTES),
+        ),
+        interpret=interpret,
+        name=name,
+    )(rows)
+    t = jax.lax.bitcast_convert_type(out[:, :1], jnp.uint32).reshape(*lead, 1)
+    return t, out[:, 1:2].reshape(*lead, 1)
+
+
 def _compact(kept, slots):
     """Per row, for slot j < ``slots``, the index of the (j + 1)-th kept entry (W past the last): a binary
     search of the running count of kept entries, so nothing is scattered."""
@@ -103,14 +201,13 @@ def _compact(kept, slots):
     return lo
 
 
-def select(scores, top_k):
+def select(scores, top_k, interpret=False, name="topk_threshold"):
     """The top_k entries of each row of ``scores`` [..., W] (any float dtype): (int32 indices, scores
     there), highest first, a tie to the lower index, index -1 and ``MASKED_VALUE`` past the row's
     visible (finite) entries; exactly ``topk_indices``'s choice, with no sort wider than top_k."""
     keys = _keys(scores)
-    visible = jnp.sum(keys > 0, axis=-1, keepdims=True, dtype=jnp.int32)
+    t, visible = threshold(scores, top_k, interpret, name)
     wanted = jnp.minimum(visible, top_k)
-    t = _threshold(keys, wanted, SIGNIFICANT_BITS.get(jnp.dtype(scores.dtype), 32))
     above = keys > t
     ties = (keys == t) & (keys > 0)
     room = wanted - jnp.sum(above, axis=-1, keepdims=True, dtype=jnp.int32)
@@ -144,7 +241,7 @@ def _chunked(
             q_chunk, k, rows[0], kv_start=rows[1], kv_end=rows[2], k_scale=k_scale,
             softmax_scale=softmax_scale, interpret=interpret,
         )  # fmt: skip
-        return None, select(scores, top_k)
+        return None, select(scores, top_k, interpret, f"{variant['name']}_topk_threshold")
 
     _, chunks = jax.lax.scan(one, None, jnp.arange(steps))
     tail = seq_len - (steps - 1) * chunk  # rows of the last chunk not already in the one before
