@@ -165,7 +165,7 @@ def threshold(scores, top_k, interpret=False, name="topk_threshold"):
     fit = THRESHOLD_BLOCK_BYTES // (4 * padded) // THRESHOLD_MIN_ROWS * THRESHOLD_MIN_ROWS
     block = (min(THRESHOLD_MAX_ROWS, max(THRESHOLD_MIN_ROWS, fit)), padded)
     need = 2 * math.prod(block) * rows.dtype.itemsize + math.prod(block) * 4 + 2 * block[0] * 128 * 4
-    out = pl.pallas_call(
+    call = pl.pallas_call(
         functools.partial(
             _threshold_kernel,
             top_k=top_k,
@@ -175,7 +175,7 @@ def threshold(scores, top_k, interpret=False, name="topk_threshold"):
         grid=(-(-rows.shape[0] // block[0]),),
         in_specs=[pl.BlockSpec(block, lambda i: (i, 0))],
         out_specs=pl.BlockSpec((block[0], 128), lambda i: (i, 0)),
-        out_shape=jax.ShapeDtypeStruct((rows.shape[0], 128), jnp.int32),
+        out_shape=_runtime.out_struct((rows.shape[0], 128), jnp.int32, rows),  # varies as the scores do
         scratch_shapes=[pltpu.VMEM(block, jnp.int32)],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel",),
@@ -183,7 +183,9 @@ def threshold(scores, top_k, interpret=False, name="topk_threshold"):
         ),
         interpret=interpret,
         name=name,
-    )(rows)
+    )
+    # interpreted inside shard_map, as the variants' kernels are (see _runtime.interpretable)
+    out = _runtime.interpretable(call, rows, interpret)
     t = jax.lax.bitcast_convert_type(out[:, :1], jnp.uint32).reshape(*lead, 1)
     return t, out[:, 1:2].reshape(*lead, 1)
 
