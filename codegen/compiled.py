@@ -207,14 +207,13 @@ class KernelReport:
     step_dma_bytes: int = 0  # and the bytes they move
     call_bytes: int = 0  # HBM bytes of the call: its steps' DMAs (sparse), the plan's model (dense)
     clock_hz: float = 0.0  # the clock at which the calibration matmul runs at the chip's cited peak
+    hbm_bytes_per_second: float = 1.0  # the chip's cited HBM bandwidth, per device
 
     @property
     def seconds(self) -> float:
         """The call's time: the larger of its cycles at ``clock_hz`` and its bytes at the chip's cited
         HBM bandwidth (DMAs cost almost nothing in bundles, so a gather can be bound by its bytes)."""
         return max(self.cycles / self.clock_hz, self.call_bytes / self.hbm_bytes_per_second)
-
-    hbm_bytes_per_second: float = 1.0
 
 
 def _fill_and_drain(sched: schedule.Schedule) -> int:
@@ -416,8 +415,8 @@ def explain(
                 kp = next((k for k in plan.kernels if k.name == kernel), None)
                 model_bytes = 0
                 if kp is not None:
-                    kinds = cost.block_kinds(t, *bounds) if bounds else None
-                    model_bytes = cost.kernel_cost(plan, kp, tuple(shape), kinds).hbm_bytes
+                    block_kinds = cost.block_kinds(t, *bounds) if bounds else None
+                    model_bytes = cost.kernel_cost(plan, kp, tuple(shape), block_kinds).hbm_bytes
                 report = kernel_report(
                     plan,
                     kp,
@@ -456,7 +455,6 @@ def _per_chunk(report: KernelReport, chunks: int) -> KernelReport:
         steps=report.steps * chunks,
         cycles=report.cycles * chunks,
         call_bytes=report.call_bytes * chunks,
-        calibration_cycles=report.calibration_cycles,
     )
 
 

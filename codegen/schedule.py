@@ -181,8 +181,9 @@ FEW_BRANCHES = 8  # below this many, a single close at the farthest distance is 
 
 def _delay_slots(lines, branches: list[int], path: str) -> int:
     """The chip's delay slots: the largest distance after a branch at which every branch closes a
-    region, else the largest at which many (a third or more) do. A branch's own region closes there; a region that closes sooner is nested, or
-    ends early because the compiler moved the skippable region's first, predicated, ops into the slots."""
+    region, else the largest at which many (a third or more) do. A branch's own region closes there; a
+    region that closes sooner is nested, or ends early because the compiler moved the skippable
+    region's first, predicated, ops into the slots."""
     closes = {
         d: sum(1 for n in branches if n + d < len(lines) and "End region" in lines[n + d][1])
         for d in range(1, MAX_DELAY_SLOTS + 1)
@@ -219,8 +220,8 @@ def _trips(lines, start: int, stop: int, path: str, predicate: str = "") -> int:
     if not found:
         raise ScheduleError(f"{path}: the loop at bundle {start} has no exit test with a constant bound")
     counter, bound = found[-1]
-    increment = re.compile(re.escape(counter) + r"_?\w* = sadd\.s32 (\d+), ")
-    steps = [int(m.group(1)) for _, line in lines[start:stop] if (m := increment.search(line))]
+    increment = re.compile(re.escape(counter) + r"(_\w+)? = sadd\.s32 (\d+), ")
+    steps = [int(m.group(2)) for _, line in lines[start:stop] if (m := increment.search(line))]
     step = steps[-1] if steps else 1
     return -(-int(bound) // step)
 
