@@ -5,14 +5,14 @@ query, only the top_k blocks of ``indices``; nothing of a variant's tiling or he
 
 Shared by tpu_hm_f32_q128_w1024c512_hcall, tpu_hm_f32_q16_w128_hc16, tpu_hm_f32_q16_w128_hcall, tpu_hm_f32_q16_w128_hcall_refbwd, tpu_hm_f32_q256_w1024c512_hc16, tpu_sm_f32_q128_w1024c512_hcall, tpu_sm_f32_q16_w128_hc16, tpu_sm_f32_q16_w128_hcall, tpu_sm_f32_q256_w1024c512_hc16.
 Grid (batch, q block of _runtime.SPARSE_BLOCK_Q queries). k of one batch element is resident in VMEM
-as float32 rows; per query the kernel
-gathers its top_k rows, a single-row read and store each, into scratch and contracts all heads at
-once, [top_k, D] x [H, D]^T: MXU work B * S_pad * top_k_pad * H * D per pass, never W. The backward
-adds each slot's dk row into a resident float32 dk. Indices come in per q block through SMEM; a
+as float32 rows, single-buffered; per query the kernel gathers its top_k
+rows, a single-row read and store each, into scratch and contracts all heads at once,
+[top_k, D] x [H, D]^T: MXU work B * S_pad * top_k_pad * H * D per pass, never W. The backward adds
+each slot's dk row into a resident float32 dk. Indices come in per q block through SMEM; a
 query's slots are a lane-dense row of the score and cotangent, reached by [1, H] x [H, top_k] head
 sums at HIGHEST.
 k's rows and the float32 dk of one batch element must fit the smallest target's VMEM
-(_runtime.SPARSE_VMEM_CAPACITY_BYTES): W up to ~50000 keys at H = 64, top_k = 1024; beyond it, a
+(_runtime.SPARSE_VMEM_CAPACITY_BYTES): W up to ~47000 keys at H = 64, top_k = 1024; beyond it, a
 ValueError naming W and the limit is raised before anything is traced.
 """
 
