@@ -123,16 +123,16 @@ SPARSE_GATHER_UNROLL = 16
 SPARSE_SCATTER_UNROLL = 8  # dk rows added per trip (a row's load still waits on the stores before it)
 
 
-def sparse_top_k_pad(top_k, gather_dtype=None):
-    """top_k rounded up to whole gather trips (``gather_dtype`` does not matter: the scratch is float32)."""
+def sparse_top_k_pad(top_k):
+    """top_k rounded up to whole gather trips (whatever the rows are gathered as: the scratch is float32)."""
     return round_up(top_k, SPARSE_GATHER_UNROLL)
 
 
-def sparse_vmem_bytes(num_blocks, head_dim, num_heads, top_k_pad, k_dtype, gather_dtype, q_dtype):
+def sparse_vmem_bytes(num_blocks, head_dim, num_heads, top_k_pad, gather_dtype, q_dtype):
     """VMEM the sparse backward kernel (the larger of the two) holds: k of one batch element as float32
     rows and its float32 dk accumulator resident (one buffer each: their block changes only with the
     batch element), the gathered float32 rows, their copy in ``gather_dtype`` and their float32 dk,
-    the query blocks, and the in-flight [top_k, H] float32 tiles. ``k_dtype`` does not matter: k is
+    the query blocks, and the in-flight [top_k, H] float32 tiles. k's own dtype does not matter: it is
     resident as float32 whatever it arrives as."""
     lanes = lambda n: round_up(n, LANES)
     resident = 2 * round_up(num_blocks, SUBLANES_BY_ITEMSIZE[4]) * lanes(head_dim) * 4

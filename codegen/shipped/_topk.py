@@ -86,10 +86,17 @@ def _threshold(keys, wanted, bits=32):
 
     start = keys[..., :1] & jnp.uint32(0)  # zeros that vary over a shard_map's axes as keys do
     t = jax.lax.fori_loop(0, bits, step, start)
-    if bits < 32:
-        low = jnp.uint32((1 << (32 - bits)) - 1)
-        t = jnp.where((wanted == 0) | (t >> 31 == 0), t | low, t)
-    return t
+    return _fill_low_bits(t, t >> 31 == 0, wanted, bits)
+
+
+def _fill_low_bits(t, top_bit_clear, wanted, bits):
+    """A threshold found on the top ``bits`` of the keys with its low bits as the 32-bit search sets
+    them (see ``_threshold``): all 1 where the key's top bit is clear or ``wanted`` is 0, else all 0.
+    ``top_bit_clear`` is given by the caller, which holds the keys unsigned or shifted to signed."""
+    if bits == 32:
+        return t
+    low = jnp.asarray((1 << (32 - bits)) - 1, t.dtype)
+    return jnp.where((wanted == 0) | top_bit_clear, t | low, t)
 
 
 # The threshold kernel: a block of rows of a chunk's scores, read once; its counting passes over
@@ -144,8 +151,7 @@ def _threshold_kernel(scores_ref, out_ref, keys_ref, *, top_k, bits, lanes):
         return jnp.where(n >= wanted, candidate, t)
 
     t = jax.lax.fori_loop(0, bits, step, jnp.zeros((rows, 1), jnp.int32))
-    if bits < 32:  # the low bits as the full search sets them (see _threshold)
-        t = jnp.where((wanted == 0) | (t >= 0), t | ((1 << (32 - bits)) - 1), t)
+    t = _fill_low_bits(t, t >= 0, wanted, bits)  # t holds the unsigned bits: >= 0 is a clear top bit
     lane = jax.lax.broadcasted_iota(jnp.int32, (rows, 128), 1)
     out_ref[...] = jnp.where(lane == 0, t, jnp.where(lane == 1, visible, 0))
 

@@ -1033,23 +1033,21 @@ def check_indices(indices, batch, seq_len):
     return jnp.asarray(indices, jnp.int32)
 
 
-def sparse_vmem_limit(num_blocks, head_dim, num_heads, top_k_pad, k_dtype, gather_dtype, q_dtype):
+def sparse_vmem_limit(num_blocks, head_dim, num_heads, top_k_pad, gather_dtype, q_dtype):
     """The ``vmem_limit_bytes`` of the sparse kernels (None: the default scoped limit is enough).
 
     Raises ValueError, before anything is traced, when k and the float32 dk accumulator of one batch
     element do not fit the smallest target's VMEM: the resident route is the only one there is.
     """
-    need = _geometry.sparse_vmem_bytes(
-        num_blocks, head_dim, num_heads, top_k_pad, k_dtype, gather_dtype, q_dtype
-    )
+    need = _geometry.sparse_vmem_bytes(num_blocks, head_dim, num_heads, top_k_pad, gather_dtype, q_dtype)
     limit = _geometry.vmem_limit(need, SPARSE_SCOPED_VMEM_DEFAULT_BYTES)
     if limit is not None and limit > SPARSE_VMEM_CAPACITY_BYTES:
         rows = 1024  # the resident blocks are whole sublane tiles: a per-block cost over many blocks
         per_block = (
-            _geometry.sparse_vmem_bytes(rows, head_dim, num_heads, 0, k_dtype, gather_dtype, q_dtype)
-            - _geometry.sparse_vmem_bytes(0, head_dim, num_heads, 0, k_dtype, gather_dtype, q_dtype)
+            _geometry.sparse_vmem_bytes(rows, head_dim, num_heads, 0, gather_dtype, q_dtype)
+            - _geometry.sparse_vmem_bytes(0, head_dim, num_heads, 0, gather_dtype, q_dtype)
         ) / rows
-        fixed = _geometry.sparse_vmem_bytes(0, head_dim, num_heads, top_k_pad, k_dtype, gather_dtype, q_dtype)
+        fixed = _geometry.sparse_vmem_bytes(0, head_dim, num_heads, top_k_pad, gather_dtype, q_dtype)
         most = int((SPARSE_VMEM_CAPACITY_BYTES / _geometry.VMEM_HEADROOM - fixed) // per_block)
         raise ValueError(
             f"sparse_score keeps k and a float32 dk of all W={num_blocks} blocks resident in VMEM (as float32): "
@@ -1099,8 +1097,8 @@ def sparse_prepare(variant, q, k, weights, indices, k_scale, gather_dtype):
     batch, num_heads, seq_len, head_dim = q_dims(q, variant["q_layout"])
     num_blocks, top_k = k.shape[1], indices.shape[2]
     seq_pad = _geometry.round_up(seq_len, _geometry.SPARSE_BLOCK_Q)
-    top_k_pad = _geometry.sparse_top_k_pad(top_k, gather_dtype)
-    vmem_limit = sparse_vmem_limit(num_blocks, head_dim, num_heads, top_k_pad, k.dtype, gather_dtype, q.dtype)
+    top_k_pad = _geometry.sparse_top_k_pad(top_k)
+    vmem_limit = sparse_vmem_limit(num_blocks, head_dim, num_heads, top_k_pad, gather_dtype, q.dtype)
     if variant["q_layout"] == "head_major":
         q = jnp.swapaxes(q, 1, 2)  # [B, S, H, D]: one query's heads are one [H, D] block
     valid = (indices >= 0) & (indices < num_blocks)
@@ -1146,40 +1144,42 @@ def sparse_block_specs(x):
     )
 
 
-def gather_rows(rows_ref, k_ref, gathered_ref, s):
-    """For every slot j of query ``s``: k's float32 row ``rows[s, j]`` as row j of ``gathered_ref``.
-
-    One dynamic single-row read and one single-row store per slot (a 32-bit row at any dynamic row
-    lowers; a vector gather does not), ``_geometry.SPARSE_GATHER_UNROLL`` slots a loop trip, statically
-    unrolled so the compiler overlaps their index loads and addresses."""
-    unroll = _geometry.SPARSE_GATHER_UNROLL
-    base = s * gathered_ref.shape[0]
+def for_each_slot(rows_ref, s, slots, unroll, visit):
+    """``visit(j, row)`` for every slot j < ``slots`` of query ``s`` of the q block, in order, ``row`` its
+    index from the flat SMEM block ``rows_ref``: ``unroll`` slots a loop trip, statically unrolled so
+    the compiler overlaps their index loads and addresses (``slots`` a multiple of it)."""
+    base = s * slots
 
     def body(c, carry):
         j = pl.multiple_of(c * unroll, unroll)
         for t in range(unroll):
-            gathered_ref[pl.ds(j + t, 1), :] = k_ref[pl.ds(rows_ref[base + j + t], 1), :]
+            visit(j + t, rows_ref[base + j + t])
         return carry
 
-    jax.lax.fori_loop(0, gathered_ref.shape[0] // unroll, body, 0)
+    jax.lax.fori_loop(0, slots // unroll, body, 0)
+
+
+def gather_rows(rows_ref, k_ref, gathered_ref, s):
+    """For every slot j of query ``s``: k's float32 row ``rows[s, j]`` as row j of ``gathered_ref``: one
+    dynamic single-row read and one single-row store per slot (a 32-bit row at any dynamic row lowers;
+    a vector gather does not), ``_geometry.SPARSE_GATHER_UNROLL`` slots a loop trip."""
+
+    def visit(j, row):
+        gathered_ref[pl.ds(j, 1), :] = k_ref[pl.ds(row, 1), :]
+
+    for_each_slot(rows_ref, s, gathered_ref.shape[0], _geometry.SPARSE_GATHER_UNROLL, visit)
 
 
 def scatter_add_rows(rows_ref, dk_ref, dk_gathered_ref, s):
     """dk row ``rows[s, j]`` += row j of ``dk_gathered_ref``, slot by slot, in order: duplicates add up;
     an empty slot's row is zero (its cotangent is) and adds nothing. A dynamic single-row
-    read-modify-write of float32 VMEM per slot, ``_geometry.SPARSE_SCATTER_UNROLL`` a loop trip,
-    unrolled: a row's load still waits on an earlier store to the same row, which the compiler orders."""
-    unroll = _geometry.SPARSE_SCATTER_UNROLL
-    base = s * dk_gathered_ref.shape[0]
+    read-modify-write of float32 VMEM per slot, ``_geometry.SPARSE_SCATTER_UNROLL`` a loop trip: a
+    row's load still waits on an earlier store to the same row, which the compiler orders."""
 
-    def body(c, carry):
-        j = pl.multiple_of(c * unroll, unroll)
-        for t in range(unroll):
-            row = rows_ref[base + j + t]
-            dk_ref[pl.ds(row, 1), :] += dk_gathered_ref[pl.ds(j + t, 1), :]
-        return carry
+    def visit(j, row):
+        dk_ref[pl.ds(row, 1), :] += dk_gathered_ref[pl.ds(j, 1), :]
 
-    jax.lax.fori_loop(0, dk_gathered_ref.shape[0] // unroll, body, 0)
+    for_each_slot(rows_ref, s, dk_gathered_ref.shape[0], _geometry.SPARSE_SCATTER_UNROLL, visit)
 
 
 def sparse_call(kernel, x, *, inputs, outputs, scratch, semantics, work, name, interpret):
@@ -1239,10 +1239,8 @@ def differentiable_sparse_score(variant, forward, backward, gather_dtypes):
         batch, _, seq_len, _ = q_dims(q, variant["q_layout"])
         indices = check_indices(indices, batch, seq_len)
         for dtype in gather_dtypes:  # raises ValueError naming W when k and dk do not fit VMEM
-            pad = _geometry.sparse_top_k_pad(indices.shape[2], dtype)
-            sparse_vmem_limit(
-                k.shape[1], k.shape[2], q_dims(q, variant["q_layout"])[1], pad, k.dtype, dtype, q.dtype
-            )
+            pad = _geometry.sparse_top_k_pad(indices.shape[2])
+            sparse_vmem_limit(k.shape[1], k.shape[2], q_dims(q, variant["q_layout"])[1], pad, dtype, q.dtype)
         # Inside jax.shard_map, as for score: every input varies over the axes any of them does, and the
         # gradient of one replicated over some (k over a sequence axis) is summed there, in float32.
         q, k, weights, indices, k_scale = vary_together(
