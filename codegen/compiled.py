@@ -6,9 +6,10 @@ grid step issues on each path it can take, every compute block empty, full or pa
 VALU slot occupancy and the spill stores of the full path; the loops inside a step; and the cycles of a
 whole call at a shape and mask, summing over the grid steps the bundles of the path each step takes,
 with every (q block, compute block) classified by the plan's own rule (``codegen.cost.kind_matrix``).
-The same is done for a calibration kernel on the same chip (a plain Pallas matmul of the same
-contraction depth, operand type and output dtype, over as many logits as the call has unmasked), so
-that "x matmul" reads without the chip's clock.
+For ``score_topk`` the programs XLA compiled around the kernels (the selection's passes, gathers and
+sort) are costed too, each from its own schedule (``xla_report``). The same is done for a calibration
+kernel on the same chip (a plain Pallas matmul of the same contraction depth, operand type and output
+dtype, over as many logits as the call has unmasked), so that "x matmul" reads without the chip's clock.
 
 Assumptions: one bundle issues per cycle; DMAs overlap the compute; no stalls; one TensorCore runs
 every grid step (on a megacore chip, v5p, the parallel grid axes are split between two). The compiler's own
@@ -30,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import itertools
+import re
 import sys
 
 import numpy as np
@@ -261,6 +263,18 @@ def call_cycles(kp: KernelPlan, st: Steps, t: cost.Tiling, kinds: np.ndarray) ->
     return int(total)
 
 
+def _timing(
+    plan: VariantPlan, t: cost.Tiling, calibration: schedule.Schedule, calibration_logits: int, chip: str
+):
+    """A report's clock (where the calibration matmul runs at the chip's cited peak) and HBM bandwidth."""
+    device = chips.get(chip)
+    rate = device.matmul_flops_per_second(plan.mxu_itemsize)
+    return dict(
+        clock_hz=rate * calibration.body / (2 * calibration_logits * t.shape.head_dim),
+        hbm_bytes_per_second=device.hbm_bytes_per_second_per_device(),
+    )
+
+
 def kernel_report(
     plan: VariantPlan,
     kp: KernelPlan | None,
@@ -281,12 +295,7 @@ def kernel_report(
     logits = t.shape.batch * t.shape.num_heads * t.shape.seq_len * t.shape.num_blocks
     calib = calibration.body * logits // calibration_logits
     loops = tuple((loop.size, loop.trips) for loop in sched.loops)
-    device = chips.get(chip)
-    rate = device.matmul_flops_per_second(plan.mxu_itemsize)
-    timing = dict(
-        clock_hz=rate * calibration.body / (2 * calibration_logits * t.shape.head_dim),
-        hbm_bytes_per_second=device.hbm_bytes_per_second_per_device(),
-    )
+    timing = _timing(plan, t, calibration, calibration_logits, chip)
     if kp is None:  # a sparse kernel: no compute blocks, the same bundles and DMAs every step
         steps_ = sched.grid_trips - PIPELINE_ITERATIONS
         dmas, dma_bytes = sched.step_dmas()
@@ -355,6 +364,7 @@ class Row:
     ok: bool
     error: str
     report: KernelReport | None
+    note: str = ""  # what the reader could not read, said under the table
 
 
 def explain(
@@ -432,6 +442,19 @@ def explain(
                 if request.program == "topk" and kp is None:  # one call per query chunk
                     report = _per_chunk(report, _topk_chunks(family, path, shape, plan))
                 rows.append(Row(*common, True, "", report))
+        if request.program == "topk" and res.ok:  # the rest of the selection: XLA's own programs
+            chunks = _topk_chunks(family, path, shape, plan)
+            report, unread = xla_report(
+                res, plan, chunks, t, cal, CALIBRATION_BLOCK[0] * CALIBRATION_BLOCK[1], request.chip
+            )
+            note = ""
+            if unread:
+                note = (
+                    f"{plan.name} {request.chip} {XLA}: {len(unread)} of its programs loop a number of times "
+                    f"the dump does not state ({', '.join(sorted(unread))}), each loop counted once: a lower bound"
+                )
+            for mask in masks:  # XLA's programs do the same work whatever the bounds hold
+                rows.append(Row(plan.name, request.chip, request.program, XLA, mask, True, "", report, note))
     if not keep:
         for res in results:
             tpu_compile.discard(res)
@@ -446,6 +469,62 @@ def _topk_chunks(family: str, path: str, shape, plan: VariantPlan) -> int:
     batch, _, seq_len, _, num_blocks = shape
     chunk = topk.queries_per_chunk(batch, seq_len, num_blocks, block_q=plan.block_q)
     return -(-seq_len // chunk)
+
+
+XLA = "xla"  # the report of a program's XLA programs, beside its kernels'
+
+
+def loop_bodies(hlo: str) -> set[str]:
+    """Names of the HLO instructions inside a while loop's body (``score_topk``'s scan over query chunks:
+    each runs once per trip), from the optimised HLO text of the top-level program."""
+    computations: dict[str, list[tuple[str, str]]] = {}
+    current = None
+    for line in hlo.splitlines():
+        if m := re.match(r"^(?:ENTRY )?%([\w.\-]+) \(.*\{$", line):
+            current = computations.setdefault(m.group(1), [])
+        elif line.startswith("}"):
+            current = None
+        elif current is not None and (m := re.match(r"^\s+(?:ROOT )?%([\w.\-]+) = ", line)):
+            current.append((m.group(1), line))
+    bodies = [
+        m.group(1)
+        for instructions in computations.values()
+        for _, line in instructions
+        if " while(" in line and (m := re.search(r"body=%([\w.\-]+)", line))
+    ]
+    return {name for body in bodies for name, _ in computations.get(body, [])}
+
+
+def xla_report(
+    result: tpu_compile.Result, plan: VariantPlan, trips: int, t: cost.Tiling, calibration: schedule.Schedule,
+    calibration_logits: int, chip: str,
+) -> tuple[KernelReport, list[str]]:  # fmt: skip
+    """What XLA's own programs of a compiled program cost (every program the dump holds but the variant's
+    Pallas kernels): each program's cycles (``schedule.program_cycles``), ``trips`` times for one inside
+    the while loop (``score_topk``'s scan over its query chunks), once otherwise; the chip's delay slots
+    read from the variant's forward kernel in the same dump. Returns the report and
+    the programs whose loop trips could not be read (counted once: a lower bound)."""
+    inside = loop_bodies(result.hlo())
+    delay = schedule.parse(*result.kernels()[f"{plan.name}_forward"]).delay_slots  # the chip's
+    cycles = per_trip = bundles = 0
+    unread = []
+    for name, files in result.programs().items():
+        if name.startswith(f"{plan.name}_"):  # a Pallas kernel of the variant: reported on its own
+            continue
+        c, read = schedule.program_cycles(*files, delay)
+        bundles += len(schedule._bundle_lines(files[0]))
+        if not read:
+            unread.append(name)
+        cycles += c * (trips if name in inside else 1)
+        per_trip += c if name in inside else 0
+    logits = t.shape.batch * t.shape.num_heads * t.shape.seq_len * t.shape.num_blocks
+    report = KernelReport(
+        kernel=XLA, bundles=bundles, straight_line=bundles, executed=per_trip, paths={}, occupancy={},
+        spill_stores=0, loops=(), steps=trips, cycles=cycles,
+        calibration_cycles=calibration.body * logits // calibration_logits,
+        **_timing(plan, t, calibration, calibration_logits, chip),
+    )  # fmt: skip
+    return report, unread
 
 
 def _per_chunk(report: KernelReport, chunks: int) -> KernelReport:
@@ -466,7 +545,9 @@ def table(rows: list[Row], shape) -> str:
         "a bundle per cycle, DMAs overlapped, no stalls; step bundles at a step inside the reduction; "
         "DMAs and KiB: the HBM DMAs one step issues (full path); GB: the call's HBM bytes (sparse: its "
         "DMAs; dense: the plan's model); us: the larger of Mcycles at the clock where the calibration "
-        "matmul runs at the chip's cited peak, and GB at its cited HBM bandwidth"
+        "matmul runs at the chip's cited peak, and GB at its cited HBM bandwidth; xla: XLA's own programs "
+        "around the kernels (score_topk's selection), each read from its bundles with its loops' trips, once "
+        "per chunk inside the chunk loop; step: straight is their bundles, executed their cycles a chunk"
     )
     columns = ["variant", "chip", "kernel", "mask", "step: straight", "executed", "empty", "full", "partial",
                "MXU", "XLU", "VALU", "spills", "loops x trips", "DMAs", "KiB", "Mcycles", "x matmul", "GB",
@@ -482,7 +563,7 @@ def table(rows: list[Row], shape) -> str:
         lines.append(
             [r.variant, r.chip, r.kernel, r.mask, f"{k.straight_line:,}", f"{k.executed:,}",
              *(f"{k.paths[p]:,}" if k.paths else "-" for p in KINDS),
-             *(f"{occ[u]:.0%}" for u in ("MXU", "XLU", "VALU")), str(k.spill_stores), loops,
+             *(f"{occ[u]:.0%}" if occ else "-" for u in ("MXU", "XLU", "VALU")), str(k.spill_stores), loops,
              f"{k.step_dmas:,}", f"{k.step_dma_bytes / 1024:,.0f}", f"{k.cycles / 1e6:,.2f}",
              f"{k.cycles / k.calibration_cycles:.2f}", f"{k.call_bytes / 1e9:,.3f}", f"{k.seconds * 1e6:,.0f}"]
         )  # fmt: skip
@@ -490,4 +571,5 @@ def table(rows: list[Row], shape) -> str:
     out = [head, "  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip()]
     for line in lines:
         out.append("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
+    out += sorted({r.note for r in rows if r.note})
     return "\n".join(out)

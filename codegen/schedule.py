@@ -87,6 +87,7 @@ class Schedule:
     capacity: tuple[int, ...]
     utilization: tuple[tuple[int, ...], ...]  # per bundle
     dmas: tuple[tuple[tuple[str, int], ...], ...] = ()  # per bundle: the DMAs it issues, (kind, bytes)
+    delay_slots: int = 0  # the chip's, read from the dump: bundles that issue after a branch
 
     @property
     def body(self) -> int:
@@ -234,8 +235,9 @@ def _dmas(lines) -> tuple[tuple[tuple[str, int], ...], ...]:
     )
 
 
-def parse(bundles_path: str, utilization_path: str) -> Schedule:
-    """The schedule of one kernel from its two dump files."""
+def parse(bundles_path: str, utilization_path: str, delay: int | None = None) -> Schedule:
+    """The schedule of one kernel from its two dump files; ``delay``: the chip's delay slots where known
+    (else read from the kernel's own branches)."""
     lines = _bundle_lines(bundles_path)
     starts: dict[str, int] = {}
     for n, (_, line) in enumerate(lines):
@@ -254,7 +256,8 @@ def parse(bundles_path: str, utilization_path: str) -> Schedule:
     back = [n for n, target, _ in branches if target == loop]
     if not back:
         raise ScheduleError(f"{bundles_path}: no branch back to the grid loop's first bundle {loop}")
-    delay = _delay_slots(lines, [n for n, _, _ in branches if n >= loop], bundles_path)
+    if delay is None:
+        delay = _delay_slots(lines, [n for n, _, _ in branches if n >= loop], bundles_path)
     body_stop = max(back) + delay + 1
     if any(loop <= n < body_stop for n in exits):
         raise ScheduleError(f"{bundles_path}: a branch inside the grid-step body leaves the kernel")
@@ -283,4 +286,25 @@ def parse(bundles_path: str, utilization_path: str) -> Schedule:
         capacity=capacity,
         utilization=rows,
         dmas=_dmas(lines),
+        delay_slots=delay,
     )
+
+
+def program_cycles(bundles_path: str, utilization_path: str, delay: int) -> tuple[int, bool]:
+    """Cycles of one XLA program of the dump (a fusion, a copy, a sort: what XLA runs around the Pallas
+    kernels), as ``parse`` reads a kernel: its bundles, those of its loop once per trip. Returns
+    (cycles, read): ``read`` is False where a loop's trips are not in the dump (a bound the program
+    computes, as XLA's gathers do) or a loop lies outside the one ``parse`` follows; such a loop is
+    counted once, so the cycles are then a lower bound. ``delay``: the chip's delay slots (an XLA
+    program may have too few branches to read them from)."""
+    lines = _bundle_lines(bundles_path)
+    marks = [n for n, (mark, _) in enumerate(lines) if mark == "LB"]
+    if not marks:  # straight-line: every bundle once, a branch's region counted as taken
+        return len(lines), True
+    try:
+        sched = parse(bundles_path, utilization_path, delay)
+    except ScheduleError:
+        return len(lines), False
+    followed = {sched.body_start} | {loop.start for loop in sched.loops}
+    cycles = sched.bundles - sched.body + sched.executed() * sched.grid_trips
+    return cycles, followed.issuperset(marks)

@@ -78,6 +78,31 @@ class Result:
     seconds: float
     dump: str  # the folder the schedules were written to (deleted unless kept)
 
+    def programs(self) -> dict[str, tuple[str, str]]:
+        """{program name: (final bundles, per-bundle utilization)} of everything the compile wrote a
+        schedule for: the Pallas kernels (as ``kernels`` names them, with XLA's ".N" suffix) and XLA's
+        own programs (fusions, copies, sorts, named as the HLO instructions they run), not the
+        top-level program that calls them."""
+        out = {}
+        for path in sorted(glob.glob(os.path.join(self.dump, "*-final_bundles.txt"))):
+            m = re.match(r"(\d+-(.+?))-\d+-final_bundles\.txt$", os.path.basename(path))
+            if not m or m.group(2) in out or m.group(2) == "TLP" or m.group(2).startswith("<"):
+                continue
+            util = glob.glob(
+                os.path.join(self.dump, m.group(1) + "-*-final_hlo-static-per-bundle-utilization.txt")
+            )
+            if util:
+                out[m.group(2)] = (path, util[0])
+        return out
+
+    def hlo(self) -> str:
+        """The optimised HLO of the top-level program (what calls the programs), or '' if not dumped."""
+        found = glob.glob(os.path.join(self.dump, "*-TLP-hlo.txt"))
+        if not found:
+            return ""
+        with open(found[0]) as f:
+            return f.read()
+
     def kernels(self) -> dict[str, tuple[str, str]]:
         """{kernel name: (final bundles, per-bundle utilization)} of the Pallas kernels compiled."""
         out = {}

@@ -183,3 +183,52 @@ def test_a_nested_loop_runs_its_trips_on_every_outer_trip():
     )  # fmt: skip
     assert sched.executed() == 4 * 1 + 4 * 4 + 2 * 12
     assert sched.step_dmas() == (12, 12 * 64)
+
+
+def _write_dump(tmp_path, text):
+    bundles, utilization = tmp_path / "final_bundles.txt", tmp_path / "utilization.txt"
+    bundles.write_text(text)
+    rows = ["0 0 0 0 0 0 0 0 0 1"] * text.count("\n")
+    utilization.write_text("== CAPACTIY:\n" + ", ".join(schedule.UNITS) + "\n2 2 4 2 1 3 3 2 2 2\n== UTILIZATION:\n"
+                           + "\n".join(rows) + "\n")  # fmt: skip
+    return str(bundles), str(utilization)
+
+
+def test_an_xla_program_costs_its_bundles_with_loop_trips(tmp_path):
+    # the synthetic kernel as an XLA program: 1 bundle before the loop, 20 a trip, 10 trips, its
+    # inner loop's 7 bundles 128 times a trip
+    assert schedule.program_cycles(*_write_dump(tmp_path, SYNTHETIC_BUNDLES), delay=2) == (
+        1 + 10 * (20 + 127 * 7),
+        True,
+    )
+    straight = "".join(f"   {hex(n)}  : > {{ %s9_s9 = smov 0 }}\n" for n in range(5))
+    assert schedule.program_cycles(*_write_dump(tmp_path, straight), delay=2) == (5, True)
+    # a loop whose bound is a register (XLA's gathers and copies loop as the data says): once, flagged
+    unbounded = SYNTHETIC_BUNDLES.replace("%s6_s5, 1024 /* loop exit test */", "%s6_s5, %s7_s7")
+    cycles, read = schedule.program_cycles(*_write_dump(tmp_path, unbounded), delay=2)
+    assert (cycles, read) == (SYNTHETIC_BUNDLES.count("\n"), False)
+
+
+SYNTHETIC_HLO = """\
+HloModule jit_call, entry_computation_layout={()->s32[4]}
+
+%body (arg: (s32[], s32[4])) -> (s32[], s32[4]) {
+  %arg = (s32[], s32[4]) parameter(0)
+  %fusion.7 = s32[4]{0} fusion(%arg), kind=kLoop, calls=%fused_computation.1
+  ROOT %tuple.1 = (s32[], s32[4]) tuple(%fusion.7, %sort.3)
+}
+
+%cond (arg.1: (s32[], s32[4])) -> pred[] {
+  ROOT %lt = pred[] compare(%arg.1), direction=LT
+}
+
+ENTRY %main () -> s32[4] {
+  %copy.2 = s32[4]{0} copy(%c)
+  %while.3 = (s32[], s32[4]) while(%tuple.0), condition=%cond, body=%body
+  ROOT %gte = s32[4]{0} get-tuple-element(%while.3), index=1
+}
+"""
+
+
+def test_loop_bodies_are_read_from_the_hlo():
+    assert compiled.loop_bodies(SYNTHETIC_HLO) == {"arg", "fusion.7", "tuple.1"}
