@@ -204,12 +204,12 @@ def _delay_slots(lines, branches: list[int], path: str) -> int:
     return max(many)
 
 
-def _trips(lines, start: int, stop: int, path: str, predicate: str = "") -> int:
+def _trips(lines, start: int, stop: int, path: str, predicate: str = "", strict: bool = False) -> int:
     """The trip count of the loop ``[start, stop)``: the bound of its exit test over the step of the
     counter it tests (``%sN = sadd.s32 STEP, ...`` inside the loop; 1 where the counter is not
     incremented by a constant there, as the grid loop's is not). Its exit test is the one that sets
     ``predicate``, the loop's back branch's (an outer loop's test may be scheduled inside an inner
-    loop); without one of those, the last exit test inside the loop."""
+    loop); without one of those, the last exit test inside the loop (``strict``: ScheduleError)."""
     tests = [(m, line) for _, line in lines[start:stop] for m in _EXIT_TEST.finditer(line)]
     name = predicate.lstrip("!").split("_")[0]
     own = [
@@ -217,7 +217,7 @@ def _trips(lines, start: int, stop: int, path: str, predicate: str = "") -> int:
         for m, line in tests
         if name and re.search(re.escape(name) + r"(_\w+)? = $", line[: m.start()])
     ]
-    found = own or [m.groups() for m, _ in tests]
+    found = own or ([] if strict else [m.groups() for m, _ in tests])
     if not found:
         raise ScheduleError(f"{path}: the loop at bundle {start} has no exit test with a constant bound")
     counter, bound = found[-1]
@@ -235,9 +235,12 @@ def _dmas(lines) -> tuple[tuple[tuple[str, int], ...], ...]:
     )
 
 
-def parse(bundles_path: str, utilization_path: str, delay: int | None = None) -> Schedule:
+def parse(
+    bundles_path: str, utilization_path: str, delay: int | None = None, strict: bool = False
+) -> Schedule:
     """The schedule of one kernel from its two dump files; ``delay``: the chip's delay slots where known
-    (else read from the kernel's own branches)."""
+    (else read from the kernel's own branches); ``strict``: every loop's trips from its own exit test
+    (the one that sets its back branch's predicate), else ScheduleError."""
     lines = _bundle_lines(bundles_path)
     starts: dict[str, int] = {}
     for n, (_, line) in enumerate(lines):
@@ -272,7 +275,7 @@ def parse(bundles_path: str, utilization_path: str, delay: int | None = None) ->
         for n, target, p in branches
         if loop < target <= n < body_stop and lines[target][0] == "LB"
     }
-    loops = [Loop(a, b, _trips(lines, a, b, bundles_path, p)) for (a, b), p in inner.items()]
+    loops = [Loop(a, b, _trips(lines, a, b, bundles_path, p, strict)) for (a, b), p in inner.items()]
     capacity, rows = _utilization(utilization_path, len(lines))
     return Schedule(
         bundles=len(lines),
@@ -280,7 +283,7 @@ def parse(bundles_path: str, utilization_path: str, delay: int | None = None) ->
         body_stop=body_stop,
         spans=_tree(forward),
         grid_trips=_trips(
-            lines, loop, body_stop, bundles_path, next(p for n, t, p in branches if n == max(back))
+            lines, loop, body_stop, bundles_path, next(p for n, t, p in branches if n == max(back)), strict
         ),
         loops=tuple(sorted(loops, key=lambda loop_: loop_.start)),
         capacity=capacity,
@@ -294,7 +297,8 @@ def program_cycles(bundles_path: str, utilization_path: str, delay: int) -> tupl
     """Cycles of one XLA program of the dump (a fusion, a copy, a sort: what XLA runs around the Pallas
     kernels), as ``parse`` reads a kernel: its bundles, those of its loop once per trip. Returns
     (cycles, read): ``read`` is False where a loop's trips are not in the dump (a bound the program
-    computes, as XLA's gathers do) or a loop lies outside the one ``parse`` follows; such a loop is
+    computes, as XLA's gathers do: no exit test of its own with a constant bound) or a loop lies
+    outside the one ``parse`` follows; such a loop is
     counted once, so the cycles are then a lower bound. ``delay``: the chip's delay slots (an XLA
     program may have too few branches to read them from)."""
     lines = _bundle_lines(bundles_path)
@@ -302,7 +306,7 @@ def program_cycles(bundles_path: str, utilization_path: str, delay: int) -> tupl
     if not marks:  # straight-line: every bundle once, a branch's region counted as taken
         return len(lines), True
     try:
-        sched = parse(bundles_path, utilization_path, delay)
+        sched = parse(bundles_path, utilization_path, delay, strict=True)
     except ScheduleError:
         return len(lines), False
     followed = {sched.body_start} | {loop.start for loop in sched.loops}

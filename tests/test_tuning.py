@@ -88,8 +88,11 @@ def test_compiled_explain_costs_the_topk_threshold_once_per_chunk():
     assert compiled._topk_chunks("generated.csa_v4", "", (1, 64, 8192, 128, 4096), plan) == 2
     shape = (1, 8, 512, 128, 256)
     rows = compiled.explain("generated.csa_v4", [plan], ["v6e"], shape, 4, programs=("topk",), top_k=16)
-    assert {r.kernel for r in rows} == {"forward", "topk_threshold"} and all(r.ok for r in rows)
+    assert {r.kernel for r in rows} == {"forward", "topk_threshold", compiled.XLA} and all(r.ok for r in rows)
     threshold = next(r.report for r in rows if r.kernel == "topk_threshold")
+    # the rest of the selection, XLA's programs, read too: one chunk, so no loop around them
+    xla = next(r.report for r in rows if r.kernel == compiled.XLA)
+    assert xla.steps == 1 and xla.cycles >= xla.bundles > 0 and xla.executed == 0
     # bfloat16 scores: a 16-trip loop of counting passes; one chunk here, so the call is the report
     assert (threshold.loops[0][1], threshold.steps) == (16, 512 // 64)
     assert (

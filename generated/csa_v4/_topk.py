@@ -15,9 +15,11 @@ and each chunk is cut down to top_k at once, exactly:
    rows from HBM once and makes every pass over it in VMEM; ``_threshold`` is the same search in XLA,
    which would read the chunk from HBM once a pass;
 3. the blocks above the threshold and, of those at it, the lowest-indexed ones are kept: exactly
-   top_k (or every visible block of a row that has fewer);
-4. ``_compact``: slot j takes the block where the running count of kept blocks reaches j + 1, found
-   by a binary search of that count (log2 W gathers of top_k entries, no scatter);
+   top_k (or every visible block of a row that has fewer), as bits of uint32 words (``_kept_words``),
+   so no pass after this one is over W entries;
+4. ``_compact``: slot j takes the block where the running count of kept blocks reaches j + 1: the word
+   by a binary search of the words' running count (log2(W / 32) gathers of top_k entries, no
+   scatter), the bit by one of its population count;
 5. only those top_k are sorted into score order: highest first, a tie to the lower block (a stable
    sort on the key: the slots are already in block order).
 
@@ -197,40 +199,77 @@ def threshold(scores, top_k, interpret=False, name="topk_threshold"):
     return t, out[:, 1:2].reshape(*lead, 1)
 
 
-def _compact(kept, slots):
-    """Per row, for slot j < ``slots``, the index of the (j + 1)-th kept entry (W past the last): a binary
-    search of the running count of kept entries, so nothing is scattered."""
-    running = jnp.cumsum(kept, axis=-1, dtype=jnp.int32)
-    width = kept.shape[-1]
+def _low_bits(n):
+    """uint32 words with their low ``n`` bits set (``n`` int32, 0 to 32)."""
+    shift = jnp.minimum(n, 31).astype(jnp.uint32)
+    return jnp.where(n >= 32, jnp.uint32(0xFFFFFFFF), (jnp.uint32(1) << shift) - 1)
+
+
+def _nth_bit(words, n):
+    """The position of each word's ``n``-th lowest set bit (``n`` >= 1, at most its set bits): a binary
+    search of the population count of its low bits, five steps."""
+    at = jnp.zeros(words.shape, jnp.int32)
+    for step in (16, 8, 4, 2, 1):
+        below = jax.lax.population_count(words & _low_bits(at + step)).astype(jnp.int32) < n
+        at = jnp.where(below, at + step, at)
+    return at
+
+
+def _pack(bits):
+    """bool [..., W] as uint32 words [..., ceil(W / 32)]: entry 32 m + b is bit b of word m."""
+    *lead, width = bits.shape
+    padded = jnp.pad(bits, [(0, 0)] * len(lead) + [(0, -width % 32)])
+    words = padded.reshape(*lead, -1, 32).astype(jnp.uint32) << jnp.arange(32, dtype=jnp.uint32)
+    return jnp.sum(words, axis=-1, dtype=jnp.uint32)
+
+
+def _kept_words(above, ties, wanted):
+    """The kept blocks as words: every block above the threshold, and of those at it the lowest-indexed
+    ones, as many as ``wanted`` leaves room for (each word keeps the lowest of its ties that the ties of
+    the words before it leave room for)."""
+    at = jax.lax.population_count(ties).astype(jnp.int32)
+    room = wanted - jnp.sum(jax.lax.population_count(above), axis=-1, keepdims=True, dtype=jnp.int32)
+    keep = jnp.clip(room - (jnp.cumsum(at, axis=-1) - at), 0, at)
+    return above | jnp.where(keep > 0, ties & _low_bits(_nth_bit(ties, jnp.maximum(keep, 1)) + 1), 0)
+
+
+def _compact(kept, slots, width):
+    """Per row, for slot j < ``slots``, the index of the (j + 1)-th kept block (``width`` past the last),
+    from the kept words [..., ceil(W / 32)]: a binary search of their running count for the word
+    (log2(W / 32) gathers of ``slots`` entries, no scatter), then the bit inside it."""
+    count = jax.lax.population_count(kept).astype(jnp.int32)
+    running = jnp.cumsum(count, axis=-1)
+    words = kept.shape[-1]
     target = jnp.broadcast_to(jnp.arange(1, slots + 1, dtype=jnp.int32), kept.shape[:-1] + (slots,))
     lo = jnp.zeros_like(target)
-    hi = jnp.full_like(target, width)
-    for _ in range(max(1, math.ceil(math.log2(width + 1)))):  # first w with running[w] >= target
+    hi = jnp.full_like(target, words)
+    for _ in range(max(1, math.ceil(math.log2(words + 1)))):  # first word with running >= target
         mid = (lo + hi) // 2
-        below = jnp.take_along_axis(running, jnp.minimum(mid, width - 1), axis=-1) < target
+        below = jnp.take_along_axis(running, jnp.minimum(mid, words - 1), axis=-1) < target
         lo, hi = jnp.where(below, mid + 1, lo), jnp.where(below, hi, mid)
-    return lo
+    word = jnp.minimum(lo, words - 1)
+    before = jnp.take_along_axis(running - count, word, axis=-1)
+    bit = _nth_bit(jnp.take_along_axis(kept, word, axis=-1), target - before)
+    return jnp.where(lo < words, 32 * lo + bit, width)
 
 
 def select(scores, top_k, interpret=False, name="topk_threshold"):
     """The top_k entries of each row of ``scores`` [..., W] (any float dtype): (int32 indices, scores
     there), highest first, a tie to the lower index, index -1 and ``MASKED_VALUE`` past the row's
     visible (finite) entries; exactly ``topk_indices``'s choice, with no sort wider than top_k."""
+    width = scores.shape[-1]
     keys = _keys(scores)
     t, visible = threshold(scores, top_k, interpret, name)
     wanted = jnp.minimum(visible, top_k)
-    above = keys > t
-    ties = (keys == t) & (keys > 0)
-    room = wanted - jnp.sum(above, axis=-1, keepdims=True, dtype=jnp.int32)
-    kept = above | (ties & (jnp.cumsum(ties, axis=-1, dtype=jnp.int32) <= room))
-    index = _compact(kept, top_k)  # in block order; W in the slots past the kept ones
+    kept = _kept_words(_pack(keys > t), _pack((keys == t) & (keys > 0)), wanted)
+    index = _compact(kept, top_k, width)  # in block order; W in the slots past the kept ones
     filled = jnp.arange(top_k) < wanted
-    safe = jnp.minimum(index, scores.shape[-1] - 1)
+    safe = jnp.minimum(index, width - 1)
     key = jnp.where(filled, jnp.take_along_axis(keys, safe, axis=-1), jnp.uint32(0))
     # score order: the key descending (its complement ascending); the slots are in block order, so a
     # stable sort on the key alone breaks ties to the lower block (one key: ~18% fewer cycles than two)
     _, index = jax.lax.sort((~key, index), dimension=-1, num_keys=1, is_stable=True)
-    values = jnp.take_along_axis(scores, jnp.minimum(index, scores.shape[-1] - 1), axis=-1)
+    values = jnp.take_along_axis(scores, jnp.minimum(index, width - 1), axis=-1)
     masked = jnp.asarray(_runtime.MASKED_VALUE, scores.dtype)
     return jnp.where(filled, index, -1).astype(jnp.int32), jnp.where(filled, values, masked)
 
