@@ -104,17 +104,11 @@ class Result:
             return f.read()
 
     def kernels(self) -> dict[str, tuple[str, str]]:
-        """{kernel name: (final bundles, per-bundle utilization)} of the Pallas kernels compiled."""
+        """{kernel name: (final bundles, per-bundle utilization)} of the Pallas kernels compiled (and of
+        XLA's programs), named without XLA's ".N" suffix: the first of a name's programs."""
         out = {}
-        for path in sorted(glob.glob(os.path.join(self.dump, "*-final_bundles.txt"))):
-            m = re.match(r"(\d+-(.+?)(?:\.\d+)?)-\d+-final_bundles\.txt$", os.path.basename(path))
-            if not m or m.group(2) in out:
-                continue
-            util = glob.glob(
-                os.path.join(self.dump, m.group(1) + "-*-final_hlo-static-per-bundle-utilization.txt")
-            )
-            if util:
-                out[m.group(2)] = (path, util[0])
+        for name, files in self.programs().items():
+            out.setdefault(re.sub(r"\.\d+$", "", name), files)
         return out
 
 

@@ -262,8 +262,8 @@ def select(scores, top_k, interpret=False, name="topk_threshold"):
     kept = _kept_words(_pack(keys > t), _pack((keys == t) & (keys > 0)), wanted)
     index = _compact(kept, top_k, width)  # in block order; W in the slots past the kept ones
     filled = jnp.arange(top_k) < wanted
-    safe = jnp.minimum(index, width - 1)
-    key = jnp.where(filled, jnp.take_along_axis(keys, safe, axis=-1), jnp.uint32(0))
+    # the kept blocks' keys from their gathered scores: the keys of the chunk are never held whole
+    key = jnp.where(filled, _keys(jnp.take_along_axis(scores, jnp.minimum(index, width - 1), axis=-1)), 0)
     # score order: the key descending (its complement ascending); the slots are in block order, so a
     # stable sort on the key alone breaks ties to the lower block (one key: ~18% fewer cycles than two)
     _, index = jax.lax.sort((~key, index), dimension=-1, num_keys=1, is_stable=True)
