@@ -421,7 +421,7 @@ def explain(
                         f"{plan.name} {request.program} on {request.chip}: no schedule of {name}"
                     )
                 bounds = cost.causal_bounds(t.shape, compress_rate) if mask == "causal" else ()
-                sched = schedule.parse(*compiled[name])
+                sched = schedule.parse(*compiled[name], dynamic=kernel == "topk_threshold")
                 kp = next((k for k in plan.kernels if k.name == kernel), None)
                 model_bytes = 0
                 if kp is not None:
@@ -431,7 +431,7 @@ def explain(
                     plan,
                     kp,
                     kernel,
-                    sched,
+                    _every_group(sched, family, path, shape) if kernel == "topk_threshold" else sched,
                     t,
                     cost.kind_matrix(t, *bounds),
                     cal,
@@ -440,7 +440,7 @@ def explain(
                     model_bytes=model_bytes,
                 )
                 if request.program == "topk" and kp is None:  # one call per query chunk
-                    report = _per_chunk(report, _topk_chunks(family, path, shape, plan))
+                    report = threshold_report(report, sched, family, path, shape, plan, bounds)
                 rows.append(Row(*common, True, "", report))
         if request.program == "topk" and res.ok:  # the rest of the selection: XLA's own programs
             chunks = _topk_chunks(family, path, shape, plan)
@@ -461,14 +461,67 @@ def explain(
     return rows
 
 
-def _topk_chunks(family: str, path: str, shape, plan: VariantPlan) -> int:
-    """The query chunks ``score_topk`` scores and cuts at ``shape``, by the family's own rule."""
+def _family_topk(family: str, path: str):
+    """The family's own ``_topk`` module: its rules for chunks and skipped slices, not a copy of them."""
     if path and path not in sys.path:
         sys.path.insert(0, path)
-    topk = importlib.import_module(f"{family}._topk")
+    return importlib.import_module(f"{family}._topk")
+
+
+def _topk_chunks(family: str, path: str, shape, plan: VariantPlan) -> int:
+    """The query chunks ``score_topk`` scores and cuts at ``shape``, by the family's own rule."""
     batch, _, seq_len, _, num_blocks = shape
-    chunk = topk.queries_per_chunk(batch, seq_len, num_blocks, block_q=plan.block_q)
+    chunk = _family_topk(family, path).queries_per_chunk(batch, seq_len, num_blocks, block_q=plan.block_q)
     return -(-seq_len // chunk)
+
+
+def threshold_report(
+    report: KernelReport, sched: schedule.Schedule, family: str, path: str, shape, plan: VariantPlan, bounds
+) -> KernelReport:
+    """``score_topk``'s threshold kernel over all its calls, one a query chunk (the last one ending at S,
+    as ``_topk._chunked`` takes them). Its passes loop over the groups of slices a block's rows see: two
+    loops of as many trips as that (``schedule.DYNAMIC``: the keys, and the counts in each pass), so a
+    block costs its bundles with those loops run no trip, plus a trip's share for each group it sees
+    (``_topk.threshold_spans`` at the causal bounds; every group unmasked)."""
+    topk = _family_topk(family, path)
+    batch, _, seq_len, _, width = shape
+    padded, lanes, unroll, _ = topk.threshold_geometry(width)
+    groups = padded // (lanes * unroll)
+    chunk = topk.queries_per_chunk(batch, seq_len, width, block_q=plan.block_q)
+    if bounds:
+        kv_start, kv_end = (np.asarray(b) for b in bounds)
+    else:
+        kv_start, kv_end = np.zeros((batch, seq_len), np.int64), np.full((batch, seq_len), width)
+    dynamic = [loop for loop in sched.loops if loop.trips == schedule.DYNAMIC]
+    if len(dynamic) != (2 if groups > 1 else 0):
+        raise StructureError(
+            f"topk_threshold: expected {2 if groups > 1 else 0} loops over the groups a block sees "
+            f"(keys, counts); found loops {[(x.start, x.stop, x.trips) for x in sched.loops]}"
+        )
+    none, one = (sched.with_trips(n).executed() for n in (0, 1))
+    cycles = blocks = 0
+    for step in range(-(-seq_len // chunk)):
+        at = min(step * chunk, seq_len - chunk)
+        rows = slice(at, at + chunk)
+        spans = topk.threshold_spans(kv_start[:, rows].reshape(-1), kv_end[:, rows].reshape(-1), width)
+        blocks += len(spans)
+        if groups > 1:
+            cycles += len(spans) * none + (one - none) * int(np.sum(spans[:, 1] - spans[:, 0]))
+        else:  # the slices inline: a block that sees nothing skips nothing
+            cycles += len(spans) * none
+        cycles += _fill_and_drain(sched)
+    return dataclasses.replace(
+        report,
+        steps=blocks,
+        cycles=cycles,
+        call_bytes=report.call_bytes * (blocks // max(report.steps, 1)),
+    )
+
+
+def _every_group(sched: schedule.Schedule, family: str, path: str, shape) -> schedule.Schedule:
+    """The threshold kernel's schedule for a block that reads every group of slices (its step report)."""
+    padded, lanes, unroll, _ = _family_topk(family, path).threshold_geometry(shape[4])
+    return sched.with_trips(padded // (lanes * unroll))
 
 
 XLA = "xla"  # the report of a program's XLA programs, beside its kernels'
@@ -525,16 +578,6 @@ def xla_report(
         **_timing(plan, t, calibration, calibration_logits, chip),
     )  # fmt: skip
     return report, unread
-
-
-def _per_chunk(report: KernelReport, chunks: int) -> KernelReport:
-    """A kernel called once per query chunk: its call's cycles, steps and bytes times the chunks."""
-    return dataclasses.replace(
-        report,
-        steps=report.steps * chunks,
-        cycles=report.cycles * chunks,
-        call_bytes=report.call_bytes * chunks,
-    )
 
 
 def table(rows: list[Row], shape) -> str:

@@ -36,6 +36,9 @@ DMA_GRANULE_BYTES = 32  # a DMA's size_in_granules unit: a [8, 64, 128] bfloat16
 HBM_DMAS = ("hbm_to_vmem", "vmem_to_hbm", "hbm_to_smem", "smem_to_hbm")  # the kinds that move HBM bytes
 
 
+DYNAMIC = -1  # a loop's trips that the program computes (``parse(dynamic=True)``): see Schedule.with_trips
+
+
 class ScheduleError(ValueError):
     """A dump whose structure this reader does not recognise: nothing is guessed."""
 
@@ -97,6 +100,11 @@ class Schedule:
     def executed(self, skipped: set[int] = frozenset()) -> int:
         """Bundles one grid step issues when ``skipped`` are not: a loop inside it once per trip."""
         return sum(self._times(skipped).values())
+
+    def with_trips(self, trips: int) -> Schedule:
+        """This schedule with ``trips`` for every loop whose trips the program computes (``DYNAMIC``)."""
+        loops = tuple(dataclasses.replace(x, trips=trips) if x.trips == DYNAMIC else x for x in self.loops)
+        return dataclasses.replace(self, loops=loops)
 
     def _times(self, skipped) -> dict[int, int]:
         """Each bundle a step issues when ``skipped`` are not, and how many times: the product of the
@@ -236,11 +244,17 @@ def _dmas(lines) -> tuple[tuple[tuple[str, int], ...], ...]:
 
 
 def parse(
-    bundles_path: str, utilization_path: str, delay: int | None = None, strict: bool = False
+    bundles_path: str,
+    utilization_path: str,
+    delay: int | None = None,
+    strict: bool = False,
+    dynamic: bool = False,
 ) -> Schedule:
     """The schedule of one kernel from its two dump files; ``delay``: the chip's delay slots where known
     (else read from the kernel's own branches); ``strict``: every loop's trips from its own exit test
-    (the one that sets its back branch's predicate), else ScheduleError."""
+    (the one that sets its back branch's predicate), else ScheduleError; ``dynamic``: an inner loop
+    with no exit test of its own against a constant has ``DYNAMIC`` trips (a bound the kernel
+    computes), for the caller to give (``Schedule.with_trips``)."""
     lines = _bundle_lines(bundles_path)
     starts: dict[str, int] = {}
     for n, (_, line) in enumerate(lines):
@@ -275,7 +289,16 @@ def parse(
         for n, target, p in branches
         if loop < target <= n < body_stop and lines[target][0] == "LB"
     }
-    loops = [Loop(a, b, _trips(lines, a, b, bundles_path, p, strict)) for (a, b), p in inner.items()]
+
+    def trips(a, b, p):
+        try:
+            return _trips(lines, a, b, bundles_path, p, strict or dynamic)
+        except ScheduleError:
+            if not dynamic:
+                raise
+            return DYNAMIC
+
+    loops = [Loop(a, b, trips(a, b, p)) for (a, b), p in inner.items()]
     capacity, rows = _utilization(utilization_path, len(lines))
     return Schedule(
         bundles=len(lines),

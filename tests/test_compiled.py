@@ -232,3 +232,14 @@ ENTRY %main () -> s32[4] {
 
 def test_loop_bodies_are_read_from_the_hlo():
     assert compiled.loop_bodies(SYNTHETIC_HLO) == {"arg", "fusion.7", "tuple.1"}
+
+
+def test_a_loop_the_kernel_bounds_itself_takes_the_trips_the_caller_gives(tmp_path):
+    # the synthetic kernel's inner loop bounded by a register: DYNAMIC when asked for, else an error
+    unbounded = SYNTHETIC_BUNDLES.replace("%s6_s5, 1024 /* loop exit test */", "%s6_s5, %s7_s7")
+    files = _write_dump(tmp_path, unbounded)
+    with pytest.raises(schedule.ScheduleError, match="no exit test with a constant bound"):
+        schedule.parse(*files)
+    sched = schedule.parse(*files, dynamic=True)
+    assert [(loop.start, loop.stop, loop.trips) for loop in sched.loops] == [(2, 9, schedule.DYNAMIC)]
+    assert [sched.with_trips(n).executed() for n in (0, 1, 128)] == [13, 20, 20 + 127 * 7]

@@ -126,6 +126,37 @@ def test_threshold_kernel_is_the_search_in_xla(dtype, width):
         np.testing.assert_array_equal(np.asarray(count), np.asarray(visible))
 
 
+@pytest.mark.parametrize("width", [5000, 16384])
+def test_threshold_kernel_skips_only_slices_no_row_of_a_block_sees(width):
+    """Given the rows' visible blocks, the kernel's passes skip the slice groups no row of a block sees
+    (``threshold_spans``, which the compiled cost reads too): the same thresholds and counts as with
+    every slice read, on rows with windows, empty rows and a block of empty rows."""
+    rng = np.random.default_rng(2)
+    rows = 3 * topk_module.threshold_geometry(width)[3] + 5  # four blocks, the last one partial
+    kv_start = rng.integers(0, width, rows)
+    kv_end = kv_start + rng.integers(-50, width // 3, rows)
+    block = topk_module.threshold_geometry(width)[3]
+    kv_start[:block] = rng.integers(0, width // 4, block)  # the first block sees the first half at most
+    kv_end[:block] = kv_start[:block] + rng.integers(0, width // 8, block)
+    kv_end[block : 2 * block] = kv_start[block : 2 * block]  # the second block sees nothing
+    scores = rng.standard_normal((rows, width)).astype(np.float32)
+    w = np.arange(width)
+    scores[(w < kv_start[:, None]) | (w >= kv_end[:, None])] = -np.inf
+    spans = topk_module.threshold_spans(kv_start, kv_end, width)
+    assert spans.shape == (4, 2) and tuple(spans[1]) == (0, 0) and (spans[:, 0] <= spans[:, 1]).all()
+    group = topk_module.threshold_geometry(width)[1] * topk_module.threshold_geometry(width)[2]
+    assert spans[0, 1] - spans[0, 0] < -(-width // group)  # something skipped, not only the empty block
+    np.testing.assert_array_equal(
+        np.asarray(topk_module.threshold_spans(jnp.asarray(kv_start), jnp.asarray(kv_end), width)), spans
+    )
+    scores = jnp.asarray(scores, jnp.bfloat16)
+    for top_k in (1, 40, width + 1):
+        got = topk_module.threshold(scores, top_k, True, "t", jnp.asarray(kv_start), jnp.asarray(kv_end))
+        every = topk_module.threshold(scores, top_k, interpret=True)
+        for a, b in zip(got, every):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.parametrize("name", ["tpu_hm_f32_q16_w128_hcall", "tpu_sm_bf16_q16_w128_hc16"])
 def test_score_topk_gradient_is_the_dense_scores_at_the_selection(name):
     module = VARIANTS[name]

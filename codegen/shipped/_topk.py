@@ -31,6 +31,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -123,11 +124,30 @@ def _lane_sum(x):
     return groups[0]
 
 
-def _threshold_kernel(scores_ref, out_ref, keys_ref, *, top_k, bits, lanes):
+def _threshold_kernel(spans_ref, scores_ref, out_ref, keys_ref, *, top_k, bits, lanes, unroll):
     """Per row of the block: the visible count and the threshold ``_threshold`` finds (its bits as
-    int32), in lanes 1 and 0 of the output row. ``lanes``: the width of a counting slice."""
+    int32), in lanes 1 and 0 of the output row. ``lanes``: the width of a counting slice; ``unroll``:
+    slices a group. ``spans_ref``: per block of rows, flat, the groups [first, end) with a column any
+    of its rows may see; the others hold only masked scores, so no pass reads them (their keys are
+    never written)."""
     width = keys_ref.shape[1]
     rows = keys_ref.shape[0]
+    block = pl.program_id(0)
+    first, end = spans_ref[2 * block], spans_ref[2 * block + 1]
+    groups = width // (lanes * unroll)
+
+    def over_groups(visit, n):
+        """``visit(slice, n)`` over every slice of every group in [first, end), ``n`` carried: a loop of
+        as many trips as the block has groups to read."""
+
+        def group(g, n):
+            for u in range(unroll):
+                n = visit(g * unroll + u, n)
+            return n
+
+        if groups == 1:  # nothing to skip but a block no row sees: no branch (~9% of a pass)
+            return group(0, n)
+        return jax.lax.fori_loop(first, end, group, n)
 
     def to_keys(c, visible):
         x = scores_ref[:, pl.ds(pl.multiple_of(c * lanes, lanes), lanes)].astype(jnp.float32)
@@ -137,9 +157,7 @@ def _threshold_kernel(scores_ref, out_ref, keys_ref, *, top_k, bits, lanes):
         return visible + _lane_sum((key != _INT_MIN).astype(jnp.int32))
 
     zeros = jnp.zeros((rows, 128), jnp.int32)
-    slices = width // lanes
-    unroll = math.gcd(slices, THRESHOLD_UNROLL)  # slices a trip: independent loads and compares to overlap
-    visible = jnp.sum(jax.lax.fori_loop(0, slices, to_keys, zeros, unroll=unroll), axis=1, keepdims=True)
+    visible = jnp.sum(over_groups(to_keys, zeros), axis=1, keepdims=True)
     wanted = jnp.minimum(visible, top_k)
 
     def step(bit, t):  # t: the unsigned threshold's bits
@@ -150,7 +168,7 @@ def _threshold_kernel(scores_ref, out_ref, keys_ref, *, top_k, bits, lanes):
             keys = keys_ref[:, pl.ds(pl.multiple_of(c * lanes, lanes), lanes)]
             return n + _lane_sum((keys >= signed).astype(jnp.int32))
 
-        n = jnp.sum(jax.lax.fori_loop(0, slices, count, zeros, unroll=unroll), axis=1, keepdims=True)
+        n = jnp.sum(over_groups(count, zeros), axis=1, keepdims=True)
         return jnp.where(n >= wanted, candidate, t)
 
     t = jax.lax.fori_loop(0, bits, step, jnp.zeros((rows, 1), jnp.int32))
@@ -159,18 +177,49 @@ def _threshold_kernel(scores_ref, out_ref, keys_ref, *, top_k, bits, lanes):
     out_ref[...] = jnp.where(lane == 0, t, jnp.where(lane == 1, visible, 0))
 
 
-def threshold(scores, top_k, interpret=False, name="topk_threshold"):
-    """(threshold key [..., 1] uint32, visible count [..., 1] int32) of each row of ``scores`` [..., W]:
-    ``_threshold(_keys(scores), min(visible, top_k))`` and the row's finite entries, from one Pallas
-    kernel that reads each block of rows from HBM once and makes every counting pass in VMEM."""
-    *lead, width = scores.shape
-    rows = scores.reshape(-1, width)
+def threshold_geometry(width):
+    """(padded W, slice lanes, slices a group, rows a block) of the threshold kernel for rows of W."""
     padded = _geometry.round_up(width, _geometry.LANES)
     lanes = math.gcd(padded, THRESHOLD_LANES)  # a slice width dividing the row: whole lane groups
+    unroll = math.gcd(padded // lanes, THRESHOLD_UNROLL)  # slices a group: loads and compares to overlap
+    fit = THRESHOLD_BLOCK_BYTES // (4 * padded) // THRESHOLD_MIN_ROWS * THRESHOLD_MIN_ROWS
+    return padded, lanes, unroll, min(THRESHOLD_MAX_ROWS, max(THRESHOLD_MIN_ROWS, fit))
+
+
+def threshold_spans(kv_start, kv_end, width):
+    """Per block of the threshold kernel's rows (``kv_start``, ``kv_end``: [rows], the rows' visible
+    blocks, numpy or jax), the slice groups [first, end) holding any block one of its rows sees
+    (0, 0 for a block none of whose rows sees any; the rows padding the last block see nothing)."""
+    _, lanes, unroll, block_rows = threshold_geometry(width)
+    xp = np if isinstance(kv_start, np.ndarray) else jnp
+    lo, hi = xp.clip(kv_start, 0, width), xp.clip(kv_end, 0, width)
+    seen = hi > lo
+    total = -(-lo.shape[0] // block_rows) * block_rows
+    pad = [(0, total - lo.shape[0])]
+    lo = xp.pad(xp.where(seen, lo, width), pad, constant_values=width).reshape(-1, block_rows).min(axis=1)
+    hi = xp.pad(xp.where(seen, hi, 0), pad).reshape(-1, block_rows).max(axis=1)
+    group = lanes * unroll
+    first = xp.where(hi > lo, lo // group, 0)
+    end = xp.where(hi > lo, -(-hi // group), 0)
+    return xp.stack([first, end], axis=1).astype(xp.int32)
+
+
+def threshold(scores, top_k, interpret=False, name="topk_threshold", kv_start=None, kv_end=None):
+    """(threshold key [..., 1] uint32, visible count [..., 1] int32) of each row of ``scores`` [..., W]:
+    ``_threshold(_keys(scores), min(visible, top_k))`` and the row's finite entries, from one Pallas
+    kernel that reads each block of rows from HBM once and makes every counting pass in VMEM.
+    ``kv_start``, ``kv_end`` ([...]): the rows' visible blocks, where the scores are masked outside
+    them: the passes skip the slices no row of a block sees (default: none skipped)."""
+    *lead, width = scores.shape
+    rows = scores.reshape(-1, width)
+    padded, lanes, unroll, block_rows = threshold_geometry(width)
     if padded != width:  # -inf: not visible, counted nowhere
         rows = jnp.pad(rows, ((0, 0), (0, padded - width)), constant_values=-jnp.inf)
-    fit = THRESHOLD_BLOCK_BYTES // (4 * padded) // THRESHOLD_MIN_ROWS * THRESHOLD_MIN_ROWS
-    block = (min(THRESHOLD_MAX_ROWS, max(THRESHOLD_MIN_ROWS, fit)), padded)
+    if kv_start is None:
+        kv_start, kv_end = jnp.zeros(rows.shape[0], jnp.int32), jnp.full(rows.shape[0], width, jnp.int32)
+    spans = threshold_spans(kv_start.reshape(-1), kv_end.reshape(-1), width)
+    spans = spans.reshape(-1)  # flat in SMEM: a [blocks, 2] array would be padded to 128 lanes
+    block = (block_rows, padded)
     need = 2 * math.prod(block) * rows.dtype.itemsize + math.prod(block) * 4 + 2 * block[0] * 128 * 4
     call = pl.pallas_call(
         functools.partial(
@@ -178,12 +227,16 @@ def threshold(scores, top_k, interpret=False, name="topk_threshold"):
             top_k=top_k,
             bits=SIGNIFICANT_BITS.get(jnp.dtype(scores.dtype), 32),
             lanes=lanes,
+            unroll=unroll,
         ),
-        grid=(-(-rows.shape[0] // block[0]),),
-        in_specs=[pl.BlockSpec(block, lambda i: (i, 0))],
-        out_specs=pl.BlockSpec((block[0], 128), lambda i: (i, 0)),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(spans.shape[0] // 2,),
+            in_specs=[pl.BlockSpec(block, lambda i, spans: (i, 0))],
+            out_specs=pl.BlockSpec((block[0], 128), lambda i, spans: (i, 0)),
+            scratch_shapes=[pltpu.VMEM(block, jnp.int32)],
+        ),
         out_shape=_runtime.out_struct((rows.shape[0], 128), jnp.int32, rows),  # varies as the scores do
-        scratch_shapes=[pltpu.VMEM(block, jnp.int32)],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel",),
             vmem_limit_bytes=_geometry.vmem_limit(need, _runtime.SPARSE_SCOPED_VMEM_DEFAULT_BYTES),
@@ -192,7 +245,7 @@ def threshold(scores, top_k, interpret=False, name="topk_threshold"):
         name=name,
     )
     # interpreted inside shard_map, as the variants' kernels are (see _runtime.interpretable)
-    out = _runtime.interpretable(call, rows, interpret)
+    out = _runtime.interpretable(lambda a: call(*a), (spans, rows), interpret)
     t = jax.lax.bitcast_convert_type(out[:, :1], jnp.uint32).reshape(*lead, 1)
     return t, out[:, 1:2].reshape(*lead, 1)
 
@@ -251,13 +304,13 @@ def _compact(kept, slots, width):
     return jnp.where(lo < words, 32 * lo + bit, width)
 
 
-def select(scores, top_k, interpret=False, name="topk_threshold"):
+def select(scores, top_k, interpret=False, name="topk_threshold", kv_start=None, kv_end=None):
     """The top_k entries of each row of ``scores`` [..., W] (any float dtype): (int32 indices, scores
     there), highest first, a tie to the lower index, index -1 and ``MASKED_VALUE`` past the row's
     visible (finite) entries; exactly ``topk_indices``'s choice, with no sort wider than top_k."""
     width = scores.shape[-1]
     keys = _keys(scores)
-    t, visible = threshold(scores, top_k, interpret, name)
+    t, visible = threshold(scores, top_k, interpret, name, kv_start, kv_end)
     wanted = jnp.minimum(visible, top_k)
     kept = _kept_words(_pack(keys > t), _pack((keys == t) & (keys > 0)), wanted)
     index = _compact(kept, top_k, width)  # in block order; W in the slots past the kept ones
@@ -290,7 +343,7 @@ def _chunked(
             q_chunk, k, rows[0], kv_start=rows[1], kv_end=rows[2], k_scale=k_scale,
             softmax_scale=softmax_scale, interpret=interpret,
         )  # fmt: skip
-        return None, select(scores, top_k, interpret, f"{variant['name']}_topk_threshold")
+        return None, select(scores, top_k, interpret, f"{variant['name']}_topk_threshold", rows[1], rows[2])
 
     _, chunks = jax.lax.scan(one, None, jnp.arange(steps))
     tail = seq_len - (steps - 1) * chunk  # rows of the last chunk not already in the one before
