@@ -485,8 +485,7 @@ def threshold_report(
     (``_topk.threshold_spans`` at the causal bounds; every group unmasked)."""
     topk = _family_topk(family, path)
     batch, _, seq_len, _, width = shape
-    padded, lanes, unroll, _ = topk.threshold_geometry(width)
-    groups = padded // (lanes * unroll)
+    groups = _threshold_groups(family, path, width)
     chunk = topk.queries_per_chunk(batch, seq_len, width, block_q=plan.block_q)
     if bounds:
         kv_start, kv_end = (np.asarray(b) for b in bounds)
@@ -498,30 +497,29 @@ def threshold_report(
             f"topk_threshold: expected {2 if groups > 1 else 0} loops over the groups a block sees "
             f"(keys, counts); found loops {[(x.start, x.stop, x.trips) for x in sched.loops]}"
         )
+    # a group's share: 0 where the slices are inline (one group), which a block reads whatever it sees
     none, one = (sched.with_trips(n).executed() for n in (0, 1))
+    calls = -(-seq_len // chunk)
     cycles = blocks = 0
-    for step in range(-(-seq_len // chunk)):
+    for step in range(calls):
         at = min(step * chunk, seq_len - chunk)
         rows = slice(at, at + chunk)
         spans = topk.threshold_spans(kv_start[:, rows].reshape(-1), kv_end[:, rows].reshape(-1), width)
         blocks += len(spans)
-        if groups > 1:
-            cycles += len(spans) * none + (one - none) * int(np.sum(spans[:, 1] - spans[:, 0]))
-        else:  # the slices inline: a block that sees nothing skips nothing
-            cycles += len(spans) * none
+        cycles += len(spans) * none + (one - none) * int(np.sum(spans[:, 1] - spans[:, 0]))
         cycles += _fill_and_drain(sched)
-    return dataclasses.replace(
-        report,
-        steps=blocks,
-        cycles=cycles,
-        call_bytes=report.call_bytes * (blocks // max(report.steps, 1)),
-    )
+    return dataclasses.replace(report, steps=blocks, cycles=cycles, call_bytes=report.call_bytes * calls)
+
+
+def _threshold_groups(family: str, path: str, width: int) -> int:
+    """The groups of slices of a row of the threshold kernel: its loops' trips for a block that sees all."""
+    padded, lanes, unroll, _ = _family_topk(family, path).threshold_geometry(width)
+    return padded // (lanes * unroll)
 
 
 def _every_group(sched: schedule.Schedule, family: str, path: str, shape) -> schedule.Schedule:
     """The threshold kernel's schedule for a block that reads every group of slices (its step report)."""
-    padded, lanes, unroll, _ = _family_topk(family, path).threshold_geometry(shape[4])
-    return sched.with_trips(padded // (lanes * unroll))
+    return sched.with_trips(_threshold_groups(family, path, shape[4]))
 
 
 XLA = "xla"  # the report of a program's XLA programs, beside its kernels'
@@ -564,8 +562,8 @@ def xla_report(
     for name, files in result.programs().items():
         if name.startswith(f"{plan.name}_"):  # a Pallas kernel of the variant: reported on its own
             continue
-        c, read = schedule.program_cycles(*files, delay)
-        bundles += len(schedule._bundle_lines(files[0]))
+        c, size, read = schedule.program_cycles(*files, delay)
+        bundles += size
         if not read:
             unread.append(name)
         cycles += c * (trips if name in inside else 1)

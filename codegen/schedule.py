@@ -316,22 +316,22 @@ def parse(
     )
 
 
-def program_cycles(bundles_path: str, utilization_path: str, delay: int) -> tuple[int, bool]:
+def program_cycles(bundles_path: str, utilization_path: str, delay: int) -> tuple[int, int, bool]:
     """Cycles of one XLA program of the dump (a fusion, a copy, a sort: what XLA runs around the Pallas
     kernels), as ``parse`` reads a kernel: its bundles, those of its loop once per trip. Returns
-    (cycles, read): ``read`` is False where a loop's trips are not in the dump (a bound the program
+    (cycles, bundles, read): ``read`` is False where a loop's trips are not in the dump (a bound the program
     computes, as XLA's gathers do: no exit test of its own with a constant bound) or a loop lies
-    outside the one ``parse`` follows; such a loop is
-    counted once, so the cycles are then a lower bound. ``delay``: the chip's delay slots (an XLA
+    outside the one ``parse`` follows; such a loop is counted once, so the cycles are then a lower
+    bound. ``delay``: the chip's delay slots (an XLA
     program may have too few branches to read them from)."""
     lines = _bundle_lines(bundles_path)
     marks = [n for n, (mark, _) in enumerate(lines) if mark == "LB"]
     if not marks:  # straight-line: every bundle once, a branch's region counted as taken
-        return len(lines), True
+        return len(lines), len(lines), True
     try:
         sched = parse(bundles_path, utilization_path, delay, strict=True)
     except ScheduleError:
-        return len(lines), False
+        return len(lines), len(lines), False
     followed = {sched.body_start} | {loop.start for loop in sched.loops}
     cycles = sched.bundles - sched.body + sched.executed() * sched.grid_trips
-    return cycles, followed.issuperset(marks)
+    return cycles, len(lines), followed.issuperset(marks)

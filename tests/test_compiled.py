@@ -199,14 +199,15 @@ def test_an_xla_program_costs_its_bundles_with_loop_trips(tmp_path):
     # inner loop's 7 bundles 128 times a trip
     assert schedule.program_cycles(*_write_dump(tmp_path, SYNTHETIC_BUNDLES), delay=2) == (
         1 + 10 * (20 + 127 * 7),
+        SYNTHETIC_BUNDLES.count("\n"),
         True,
     )
     straight = "".join(f"   {hex(n)}  : > {{ %s9_s9 = smov 0 }}\n" for n in range(5))
-    assert schedule.program_cycles(*_write_dump(tmp_path, straight), delay=2) == (5, True)
+    assert schedule.program_cycles(*_write_dump(tmp_path, straight), delay=2) == (5, 5, True)
     # a loop whose bound is a register (XLA's gathers and copies loop as the data says): once, flagged
     unbounded = SYNTHETIC_BUNDLES.replace("%s6_s5, 1024 /* loop exit test */", "%s6_s5, %s7_s7")
-    cycles, read = schedule.program_cycles(*_write_dump(tmp_path, unbounded), delay=2)
-    assert (cycles, read) == (SYNTHETIC_BUNDLES.count("\n"), False)
+    cycles, size, read = schedule.program_cycles(*_write_dump(tmp_path, unbounded), delay=2)
+    assert (cycles, size, read) == (SYNTHETIC_BUNDLES.count("\n"), SYNTHETIC_BUNDLES.count("\n"), False)
 
 
 SYNTHETIC_HLO = """\
