@@ -264,6 +264,7 @@ def kernel_cost(
     work = kernel.work
     masks_built = kinds.work * (t.extents["c"] if work.mask_per_chunk else 1)
     moved = {name: fetches[name] * math.prod(s) * n for name, (s, n) in blocks.items()}
+    finished = p.batch * t.seq_pad * p.num_heads * p.head_dim  # (head, query, d) of q, every q block's last step
     # A skipped tile's DMAs are those of the operands whose blocks hold still on it.
     skipped = kernel.skipped_operands()
     moved = {n: b * kinds.tiles_with_work // kinds.tiles if n in skipped else b for n, b in moved.items()}
@@ -276,8 +277,8 @@ def kernel_cost(
         vmem_bytes_unpadded=2 * _vmem(list(blocks.values()), False) + _vmem(single, False),
         hbm_bytes_by_operand=moved,
         min_hbm_bytes=sum(_min_bytes(b, t, blocks[b.name][1]) for b in kernel.blocks),
-        mxu_flops=2 * entries * p.head_dim * work.mxu_passes,
-        vpu_ops=entries * work.vpu_ops + masks_built * pair_entries * work.mask_ops,
+        mxu_flops=2 * entries * p.head_dim * work.mxu_passes + finished * t.heads * work.finish_mxu_per_head,
+        vpu_ops=entries * work.vpu_ops + masks_built * pair_entries * work.mask_ops + finished * work.finish_vpu_ops,
         useful_flops=useful_entries * (2 * p.head_dim * work.useful_passes + work.vpu_ops),
         mxu_itemsize=plan.mxu_itemsize,
     )

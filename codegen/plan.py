@@ -91,6 +91,11 @@ class Work:
     useful_passes: int  # the matmuls the math needs; the rest split a float32 operand for accuracy
     mask_ops: int = 6  # iota, its offset, two compares, their and, the select
     mask_per_chunk: bool = True
+    # Once per q block (and head chunk), at the reduction's last step, per (head, query, d) of q:
+    # elementwise operations, and MXU FLOPs per head of the step (each head's weights broadcast across
+    # D by an exact matmul of the step's weights [block_q, heads] by a one-hot).
+    finish_vpu_ops: int = 0
+    finish_mxu_per_head: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,8 +300,15 @@ def build(variant: Variant) -> VariantPlan:
                 + k_tile,  # tile: the cotangent in float32
                 skip=_skip(dq_grid, "j", "i", "w_lo", "w_hi"),
                 # relu, g * relu and its row sum (dweights), g * weight and the relu' select (dlogits); or
-                # with an exact cotangent only the select (dweights and the weights then act on [rows, D])
-                work=Work(mxu_passes=1 + dq_passes, vpu_ops=1 if exact_cotangent else 5, useful_passes=2),
+                # with an exact cotangent only the select, and once per q block on the summed [rows, D]:
+                # the weights (broadcast by the MXU) and the scale on it, q times it and its row sum
+                work=Work(
+                    mxu_passes=1 + dq_passes,
+                    vpu_ops=1 if exact_cotangent else 5,
+                    useful_passes=2,
+                    finish_vpu_ops=4 if exact_cotangent else 0,
+                    finish_mxu_per_head=2 if exact_cotangent else 0,
+                ),
             )
         )
         dk_grid = _grid(chunked, ("b", PARALLEL), ("j", PARALLEL), ("i", ARBITRARY), ("c", ARBITRARY))

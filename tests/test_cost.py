@@ -71,7 +71,9 @@ def test_seq_major_f32_small():
     assert dq.vmem_bytes == 262144 + 16384 + 4096 + 3 * 16384 + 8192
     # f32: one pass per matmul; the cotangent is exact, so dq and dweights come from one matmul and only
     # the relu' select is per entry. 2 * 4194304 + 1*2*32*256 = 8388608 + 16384, and the mask 49152.
-    assert (dq.flops, dq.mxu_flops) == (8404992 + 49152, 8388608)
+    # Once per q block, on the summed [rows, D] (B*S*H*D = 8192 entries): the weights broadcast by an
+    # MXU matmul of the step's 2 heads' weights by a one-hot (2 * 2 FLOPs per entry), 4 elementwise.
+    assert (dq.flops, dq.mxu_flops) == (8404992 + 49152 + 8192 * (4 + 4), 8388608 + 8192 * 4)
 
     # dk reads what dq does. Grid (b, j, i) = (1, 2, 2): q, weights, kv_bounds, g follow i
     # (innermost): 4 each; k and dk follow j: 2.
@@ -119,10 +121,12 @@ def test_head_major_bf16_chunked():
     # cotangent, so one pass, the weights after); the cotangent [128, 1024] f32 524288.
     assert dq.vmem_bytes == 3407872 + 1048576 + 8192 + 524288 + 8388608 + 4194304 + 524288
     # bf16: the dq matmul is one exact pass, dweights from its result: 2 * 2**32 MXU, 2**24 elementwise
-    # (the relu' select), the mask per head chunk: 2 * 6 * 2**19.
+    # (the relu' select), the mask per head chunk: 2 * 6 * 2**19; once per q block and chunk on the
+    # summed [rows, D] (B*S*H*D = 2**20 entries): the weights' one-hot broadcast, 2 * 16 FLOPs per
+    # entry (16 heads a step), and 4 elementwise.
     assert (dq.flops, dq.mxu_flops, dq.useful_flops) == (
-        2 * 2**32 + 2**24 + 12 * 2**19,
-        2 * 2**32,
+        2 * 2**32 + 2**24 + 12 * 2**19 + 2**20 * (32 + 4),
+        2 * 2**32 + 2**20 * 32,
         2 * 2**32 + 2**24,
     )
 
@@ -291,8 +295,9 @@ def test_float32_default_precision_is_one_bf16_pass():
     f32_default = _replan(SM_F32, policy=policy)
     [fwd, dq, _] = cost.variant_costs(f32_default, (1, 2, 32, 128, 256))
     assert fwd.mxu_itemsize == 2 and cost.variant_costs(SM_F32, (1, 2, 32, 128, 256))[0].mxu_itemsize == 4
-    # float32 q/k: the gradient matmul is one dot, whatever the precision.
-    assert dq.mxu_flops == 2 * 4194304
+    # float32 q/k: the gradient matmul is one dot, whatever the precision (and the weights' one-hot
+    # broadcast once per q block: 2 heads x 2 FLOPs per (head, query, d), 8192 of them).
+    assert dq.mxu_flops == 2 * 4194304 + 8192 * 4
 
 
 @pytest.mark.parametrize(

@@ -44,8 +44,9 @@ def test_templates_load_from_the_package_not_the_working_directory(tmp_path, mon
 
 # What a reviewer reads: every variant module small, what variants share written once (the shipped
 # runtime, geometry and top-k selection, one module per dense and per sparse kernel shape). A kernel
-# rendered per variant again would cost ~300 lines a variant and break this. (8360 lines with score_topk.)
-GENERATED_LINES_CAP = 8600
+# rendered per variant again would cost ~300 lines a variant and break this. (8360 lines with score_topk;
+# 8883 with dq/dweights' last-step finish, whose head accessors each dense module carries.)
+GENERATED_LINES_CAP = 9100
 
 
 def test_generated_code_stays_written_once():

@@ -91,10 +91,25 @@ def _stacked_q(q_ref, heads, head_dim):
     heads.start + h at rows h * block_q onwards): one matmul of it against a key
     block pushes the keys into the MXU once for all of them, where a matmul per head would push them
     once per head."""
-    # [block_q, H * D]: head h is the aligned group of D lanes from h * D
-    return jnp.concatenate(
-        [q_ref[:, h * head_dim : (h + 1) * head_dim] for h in range(heads.start, heads.stop)]
-    )
+    return _stacked_heads(q_ref, heads, head_dim)
+
+
+def _stacked_heads(ref, heads, head_dim):
+    """``heads`` (a static slice) of a q-block-shaped ref stacked along rows, ``[n * block_q, D]``."""
+    return jnp.concatenate([_head(ref, h, head_dim) for h in range(heads.start, heads.stop)])
+
+
+def _head(ref, h, head_dim):
+    """Head ``h`` of a q-block-shaped ref, ``[block_q, D]`` (head h is the aligned group of D lanes from h * D)."""
+    return ref[:, h * head_dim : (h + 1) * head_dim]
+
+
+def _put_heads(ref, heads, x, head_dim, *, add=False):
+    """Stores (or with ``add``, adds) ``x`` stacked as ``_stacked_heads`` stacks them into ``heads`` of ``ref``."""
+    rows = x.shape[0] // (heads.stop - heads.start)
+    for n, h in enumerate(range(heads.start, heads.stop)):  # head h's lanes: an aligned slice
+        lanes = slice(h * head_dim, (h + 1) * head_dim)
+        ref[:, lanes] = ref[:, lanes] + x[n * rows : (n + 1) * rows] if add else x[n * rows : (n + 1) * rows]
 
 
 def _k_block(k_ref, cols):
@@ -204,7 +219,11 @@ def _dq_dweights_kernel(
     *, cfg, softmax_scale, head_dim,
 ):  # fmt: skip
     """dq and dweights of one q block and head chunk, reduced over w tiles (the innermost grid axis),
-    cfg.compute_w compressed blocks at a time: one that no query of the q block may see does no work."""
+    cfg.compute_w compressed blocks at a time: one that no query of the q block may see does no work.
+
+    Where the cotangent is exact in the MXU type (``cfg.exact_cotangent``), a step only sums u, the
+    masked cotangent by k, into dq_acc: dq and dweights follow from it and q once, at the last step.
+    """
     b, i, c, j = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     del w_lo_ref, w_hi_ref  # used by the index maps only
     first = j == 0
@@ -223,19 +242,37 @@ def _dq_dweights_kernel(
             k = _k_block(k_ref, block.cols)
             g = _cotangent(block, g_ref, kv_bounds_ref)
             for heads in _runtime.head_groups(weights_ref.shape[1]):
-                weights = _head_weights(weights_ref, heads)  # [n, block_q, 1]
                 q = _stacked_q(q_ref, heads, head_dim)
-                logits = _logits(cfg, q, k, weights.shape[0])
-                dq, dweights = _runtime.dq_dweights(cfg, logits, g, weights, q, k)
-                dweights_acc_ref[heads, :] += dweights  # [n, block_q]
-                for n, h in enumerate(range(heads.start, heads.stop)):  # head h's lanes: an aligned slice
-                    dq_acc_ref[:, h * head_dim : (h + 1) * head_dim] += dq[
-                        n * g.shape[0] : (n + 1) * g.shape[0]
-                    ]
+                logits = _logits(cfg, q, k, heads.stop - heads.start)
+                if cfg.exact_cotangent:
+                    _put_heads(
+                        dq_acc_ref,
+                        heads,
+                        _runtime.masked_cotangent_by_k(cfg, logits, g, k),
+                        head_dim,
+                        add=True,
+                    )
+                else:
+                    dq, dweights = _runtime.dq_dweights(
+                        cfg, logits, g, _head_weights(weights_ref, heads), q, k
+                    )
+                    dweights_acc_ref[heads, :] += dweights  # [n, block_q]
+                    _put_heads(dq_acc_ref, heads, dq, head_dim, add=True)
 
     @pl.when(last)
     def _store():
-        dq_ref[...] = (softmax_scale * dq_acc_ref[...]).astype(dq_ref.dtype)
+        if cfg.exact_cotangent:  # dq_acc holds u: dq and dweights from it and q, head by head, in one pass
+            # the weights carry the softmax scale into dq; dweights = sum_d q u does not involve them
+            weights = weights_ref[...]
+            for h in range(weights.shape[1]):
+                u, q = _head(dq_acc_ref, h, head_dim), _head(q_ref, h, head_dim)
+                w = softmax_scale * _runtime.lane_broadcast(weights, h, head_dim)
+                dq, dweights = _runtime.dq_dweights_from_u(u, q, w[None])
+                _put_heads(dq_acc_ref, slice(h, h + 1), dq, head_dim)
+                dweights_acc_ref[h : h + 1, :] = dweights
+            dq_ref[...] = dq_acc_ref[...].astype(dq_ref.dtype)
+        else:
+            dq_ref[...] = (softmax_scale * dq_acc_ref[...]).astype(dq_ref.dtype)
         dweights_ref[...] = (softmax_scale * dweights_acc_ref[...].T).astype(dweights_ref.dtype)
 
 

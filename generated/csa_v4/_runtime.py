@@ -489,22 +489,45 @@ def relu_grad(logits, g, dtype):
 
 def dq_dweights(cfg, logits, g, weights, q, k):
     """dq ``[n * block_q, D]`` (rows stacked as the group's q is) and dweights ``[n, block_q]`` of a group
-    of heads, float32, before the softmax scale.
+    of heads over one compute block, float32, before the softmax scale.
 
     dweights is sum_w relu(logit) g, and dq_h is w_h * sum_w relu'(logit) g k_w. Where the cotangent is
-    exact in the MXU type (``cfg.exact_cotangent``), both come from one exact matmul: u = (g where the
-    logit is positive) . k; dq = w_h * u (a head's weight is constant along its rows) and, since
-    relu(logit) g = relu'(logit) g (q . k_w), dweights = sum_d q * u: the products and the row sums
-    on [rows, D], none on [rows, compute_w] but the select. Else dlogits carry the weights and meet
-    the MXU as ``cfg.grad_matmul`` says.
+    exact in the MXU type (``cfg.exact_cotangent``), both come from one exact matmul, u
+    (``masked_cotangent_by_k``), and q (``dq_dweights_from_u``); the kernel sums u over the compute
+    blocks first and finishes once per q block. Else dlogits carry the weights and meet the MXU as
+    ``cfg.grad_matmul`` says.
     """
     if cfg.exact_cotangent:
-        n, block_q = weights.shape[:2]
-        u = matmul(relu_grad(logits, g, k.dtype), k, cfg.precision).reshape(n, block_q, -1)
-        dweights = jnp.sum(q.astype(jnp.float32).reshape(u.shape) * u, axis=2)
-        return (u * weights).reshape(n * block_q, -1), dweights
+        return dq_dweights_from_u(masked_cotangent_by_k(cfg, logits, g, k), q, weights)
     dweights = jnp.sum(jnp.maximum(logits, 0.0) * g, axis=2)
     return grad_matmul(cfg, dlogits(logits, g, weights), k), dweights
+
+
+def masked_cotangent_by_k(cfg, logits, g, k):
+    """u = (g where the logit is positive) . k of a group of heads, ``[n * block_q, D]`` float32 (rows
+    stacked as the group's q is): one exact MXU pass where the cotangent is exact in k's type. Only the
+    select is done per (head, query, block); the weights and q act on u, summed over the blocks."""
+    return matmul(relu_grad(logits, g, k.dtype), k, cfg.precision)
+
+
+def dq_dweights_from_u(u, q, weights):
+    """dq and dweights of a group of heads from u (``masked_cotangent_by_k``, summed over any number of
+    compute blocks): dq = w_h * u (a head's weight is constant along its rows; ``weights`` is
+    ``[n, block_q, 1]``, or already broadcast along D) and, since relu(logit) g = relu'(logit) g
+    (q . k_w), dweights = sum_d q * u. ``[n * block_q, D]`` and ``[n, block_q]`` float32, before the
+    softmax scale."""
+    n, block_q = weights.shape[:2]
+    u = u.reshape(n, block_q, -1)
+    dweights = jnp.sum(q.astype(jnp.float32).reshape(u.shape) * u, axis=2)
+    return (u * weights).reshape(n * block_q, -1), dweights
+
+
+def lane_broadcast(x, column, width):
+    """``x[:, column]`` broadcast across ``width`` lanes, ``[rows, width]`` float32, by the MXU (x times a
+    one-hot ``[columns, width]``, exact): a lane broadcast costs the XLU an operation per vreg."""
+    one_hot = jax.lax.broadcasted_iota(jnp.int32, (x.shape[1], width), 0) == column
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    return matmul(x, one_hot.astype(x.dtype), precision)
 
 
 def dlogits(logits, g, weights):
@@ -536,18 +559,21 @@ def cost_estimate(grid_axes, grid, blocks, work, x):
     Compute blocks and tiles skipped under a mask are not discounted.
 
     ``blocks``: (BlockSpec, array or ShapeDtypeStruct, grid axes its index follows) per operand;
-    ``work``: (MXU passes of a logits-sized matmul, elementwise operations) per entry, and the mask's
-    operations per (query, compressed block), built per head chunk or once.
+    ``work``: (MXU passes of a logits-sized matmul, elementwise operations) per entry, the mask's
+    operations per (query, compressed block), built per head chunk or once, and at each q block's last
+    step, per (head, query, d) of q, elementwise operations and MXU FLOPs per head of the step.
     """
     moved = 0
     for spec, array, follows in blocks:
         fetches = _geometry.block_fetches(grid, [grid_axes.index(a) for a in follows if a in grid_axes])
         block = [d for d in spec.block_shape if isinstance(d, int)]
         moved += fetches * math.prod(block) * jnp.dtype(array.dtype).itemsize
-    mxu_passes, vpu_ops, mask_ops, mask_per_chunk = work
+    mxu_passes, vpu_ops, mask_ops, mask_per_chunk, finish_vpu_ops, finish_mxu_per_head = work
     entries = x.batch * x.num_heads * x.seq_pad * x.blocks_pad
     masks = x.batch * x.seq_pad * x.blocks_pad * mask_ops * (x.num_chunks if mask_per_chunk else 1)
+    finished = x.batch * x.seq_pad * x.num_heads * x.head_dim
     flops = entries * (2 * x.head_dim * mxu_passes + vpu_ops) + masks
+    flops += finished * (finish_vpu_ops + finish_mxu_per_head * x.heads)
     return pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=moved)
 
 

@@ -58,8 +58,14 @@ CONFIG = _runtime.Config(  # the kernel plan's facts the shared kernels take fro
     grad_matmul="split",
     # The cotangent is exact in bfloat16: dq and dweights come from one exact pass of it, masked, by k.
     exact_cotangent=True,
-    # Per kernel and (head, query, block) entry: MXU passes of a logits-sized matmul, elementwise operations.
-    work={"forward": (1, 3, 6, False), "dq_dweights": (2, 1, 6, True), "dk": (3, 2, 6, True)},
+    # Per kernel and (head, query, block) entry: MXU passes of a logits-sized matmul, elementwise operations;
+    # the mask's operations, per head chunk or once; per (head, query, d) at a q block's last step: elementwise
+    # operations, MXU FLOPs per head of the step.
+    work={
+        "forward": (1, 3, 6, False, 0, 0),
+        "dq_dweights": (2, 1, 6, True, 4, 2),
+        "dk": (3, 2, 6, True, 0, 0),
+    },
     # Scoped VMEM to compile each kernel with (None: the chip's default); codegen sized it for v5e, v5p, v6e, 7x.
     vmem_limit_bytes={"forward": None, "dq_dweights": 52428800, "dk": 37748736},
 )

@@ -58,8 +58,14 @@ CONFIG = _runtime.Config(  # the kernel plan's facts the shared kernels take fro
     grad_matmul="split",
     # The cotangent is not exact in bfloat16 (a float32 score) (scaled by k_scale): dq's dlogits carry the head weights.
     exact_cotangent=False,
-    # Per kernel and (head, query, block) entry: MXU passes of a logits-sized matmul, elementwise operations.
-    work={"forward": (1, 3, 6, False), "dq_dweights": (3, 5, 6, True), "dk": (3, 5, 6, True)},
+    # Per kernel and (head, query, block) entry: MXU passes of a logits-sized matmul, elementwise operations;
+    # the mask's operations, per head chunk or once; per (head, query, d) at a q block's last step: elementwise
+    # operations, MXU FLOPs per head of the step.
+    work={
+        "forward": (1, 3, 6, False, 0, 0),
+        "dq_dweights": (3, 5, 6, True, 0, 0),
+        "dk": (3, 5, 6, True, 0, 0),
+    },
     # Scoped VMEM to compile each kernel with (None: the chip's default); codegen sized it for v5e, v5p, v6e, 7x.
     vmem_limit_bytes={"forward": None, "dq_dweights": 34603008, "dk": 30408704},
 )
