@@ -234,13 +234,8 @@ def _dq_dweights_kernel(
                 q = _stacked_q(q_ref, heads, head_dim)
                 logits = _logits(cfg, q, k, heads.stop - heads.start)
                 if cfg.exact_cotangent:
-                    _put_heads(
-                        dq_acc_ref,
-                        heads,
-                        _runtime.masked_cotangent_by_k(cfg, logits, g, k),
-                        head_dim,
-                        add=True,
-                    )
+                    u = _runtime.masked_cotangent_by_k(cfg, logits, g, k)  # [n * block_q, D]
+                    _put_heads(dq_acc_ref, heads, u, head_dim, add=True)
                 else:
                     dq, dweights = _runtime.dq_dweights(
                         cfg, logits, g, _head_weights(weights_ref, heads), q, k
@@ -250,7 +245,7 @@ def _dq_dweights_kernel(
 
     @pl.when(last)
     def _store():
-        if cfg.exact_cotangent:  # dq_acc holds u: dq and dweights from it and q, head by head, in one pass
+        if cfg.exact_cotangent:  # dq_acc holds u: dq and dweights from it and q, head by head
             # the weights carry the softmax scale into dq; dweights = sum_d q u does not involve them
             weights = weights_ref[...]
             for h in range(weights.shape[1]):
