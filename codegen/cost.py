@@ -264,10 +264,10 @@ def kernel_cost(
     work = kernel.work
     masks_built = kinds.work * (t.extents["c"] if work.mask_per_chunk else 1)
     moved = {name: fetches[name] * math.prod(s) * n for name, (s, n) in blocks.items()}
-    finished = p.batch * t.seq_pad * p.num_heads * p.head_dim  # (head, query, d) of q, every q block's last step
     # A skipped tile's DMAs are those of the operands whose blocks hold still on it.
     skipped = kernel.skipped_operands()
     moved = {n: b * kinds.tiles_with_work // kinds.tiles if n in skipped else b for n, b in moved.items()}
+    finished = p.batch * t.seq_pad * p.num_heads * p.head_dim  # (head, query, d) of q, every q block's last step
     return KernelCost(
         kernel=kernel.name,
         grid=grid,

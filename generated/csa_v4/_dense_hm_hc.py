@@ -91,13 +91,8 @@ def _stacked_q(q_ref, heads, head_dim):
     heads.start + h at rows h * block_q onwards): one matmul of it against a key
     block pushes the keys into the MXU once for all of them, where a matmul per head would push them
     once per head."""
-    return _stacked_heads(q_ref, heads, head_dim)
-
-
-def _stacked_heads(ref, heads, head_dim):
-    """``heads`` (a static slice) of a q-block-shaped ref stacked along rows, ``[n * block_q, D]``."""
-    x = ref[heads]  # [n, block_q, D]
-    return x.reshape(x.shape[0] * x.shape[1], head_dim)
+    q = q_ref[heads]  # [n, block_q, D]
+    return q.reshape(q.shape[0] * q.shape[1], head_dim)
 
 
 def _head(ref, h, head_dim):
@@ -106,7 +101,7 @@ def _head(ref, h, head_dim):
 
 
 def _put_heads(ref, heads, x, head_dim, *, add=False):
-    """Stores (or with ``add``, adds) ``x`` stacked as ``_stacked_heads`` stacks them into ``heads`` of ``ref``."""
+    """Stores (or with ``add``, adds) ``x``, stacked as ``_stacked_q`` stacks heads, into ``heads`` of ``ref``."""
     x = x.reshape(heads.stop - heads.start, -1, head_dim)
     ref[heads] = ref[heads] + x if add else x
 

@@ -91,12 +91,7 @@ def _stacked_q(q_ref, heads, head_dim):
     heads.start + h at rows h * block_q onwards): one matmul of it against a key
     block pushes the keys into the MXU once for all of them, where a matmul per head would push them
     once per head."""
-    return _stacked_heads(q_ref, heads, head_dim)
-
-
-def _stacked_heads(ref, heads, head_dim):
-    """``heads`` (a static slice) of a q-block-shaped ref stacked along rows, ``[n * block_q, D]``."""
-    return jnp.concatenate([_head(ref, h, head_dim) for h in range(heads.start, heads.stop)])
+    return jnp.concatenate([_head(q_ref, h, head_dim) for h in range(heads.start, heads.stop)])
 
 
 def _head(ref, h, head_dim):
@@ -105,7 +100,7 @@ def _head(ref, h, head_dim):
 
 
 def _put_heads(ref, heads, x, head_dim, *, add=False):
-    """Stores (or with ``add``, adds) ``x`` stacked as ``_stacked_heads`` stacks them into ``heads`` of ``ref``."""
+    """Stores (or with ``add``, adds) ``x``, stacked as ``_stacked_q`` stacks heads, into ``heads`` of ``ref``."""
     rows = x.shape[0] // (heads.stop - heads.start)
     for n, h in enumerate(range(heads.start, heads.stop)):  # head h's lanes: an aligned slice
         lanes = slice(h * head_dim, (h + 1) * head_dim)
