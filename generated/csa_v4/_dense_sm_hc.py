@@ -227,7 +227,8 @@ def _dq_dweights_kernel(
     @pl.when(first)
     def _zero():
         dq_acc_ref[...] = jnp.zeros_like(dq_acc_ref)
-        dweights_acc_ref[...] = jnp.zeros_like(dweights_acc_ref)
+        if not cfg.exact_cotangent:  # else dweights are made whole at the last step
+            dweights_acc_ref[...] = jnp.zeros_like(dweights_acc_ref)
 
     row = b * pl.num_programs(1) + i
     for block in _runtime.compute_blocks((any_lo_ref, any_hi_ref), row, j, k_ref.shape[0], cfg.compute_w):
@@ -254,16 +255,21 @@ def _dq_dweights_kernel(
         if cfg.exact_cotangent:  # dq_acc holds u: dq and dweights from it and q, head by head
             # the weights carry the softmax scale into dq; dweights = sum_d q u does not involve them
             weights = weights_ref[...]
+            lanes = jax.lax.broadcasted_iota(jnp.int32, weights.shape, 1)
+            dweights = jnp.zeros(weights.shape, jnp.float32)  # [block_q, heads], as dweights_ref
             for h in range(weights.shape[1]):
                 u, q = _head(dq_acc_ref, h, head_dim), _head(q_ref, h, head_dim)
                 w = softmax_scale * _runtime.lane_broadcast(weights, h, head_dim)
-                dq, dweights = _runtime.dq_dweights_from_u(u, q, w[None])
+                dq, dweights_h = _runtime.dq_dweights_from_u(u, q, w[None])
                 _put_heads(dq_acc_ref, slice(h, h + 1), dq, head_dim)
-                dweights_acc_ref[h : h + 1, :] = dweights
+                # head h's column into lane h by a select: as a row, the XLU (busy with the lane sums)
+                # would move it across lanes
+                dweights = jnp.where(lanes == h, dweights_h[0], dweights)
             dq_ref[...] = dq_acc_ref[...].astype(dq_ref.dtype)
+            dweights_ref[...] = (softmax_scale * dweights).astype(dweights_ref.dtype)
         else:
             dq_ref[...] = (softmax_scale * dq_acc_ref[...]).astype(dq_ref.dtype)
-        dweights_ref[...] = (softmax_scale * dweights_acc_ref[...].T).astype(dweights_ref.dtype)
+            dweights_ref[...] = (softmax_scale * dweights_acc_ref[...].T).astype(dweights_ref.dtype)
 
 
 def _cotangent(block, g_ref, kv_bounds_ref):

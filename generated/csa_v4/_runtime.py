@@ -498,7 +498,8 @@ def dq_dweights(cfg, logits, g, weights, q, k):
     ``cfg.grad_matmul`` says.
     """
     if cfg.exact_cotangent:
-        return dq_dweights_from_u(masked_cotangent_by_k(cfg, logits, g, k), q, weights)
+        dq, dweights = dq_dweights_from_u(masked_cotangent_by_k(cfg, logits, g, k), q, weights)
+        return dq, dweights[..., 0]
     dweights = jnp.sum(jnp.maximum(logits, 0.0) * g, axis=2)
     return grad_matmul(cfg, dlogits(logits, g, weights), k), dweights
 
@@ -514,11 +515,11 @@ def dq_dweights_from_u(u, q, weights):
     """dq and dweights of a group of heads from u (``masked_cotangent_by_k``, summed over any number of
     compute blocks): dq = w_h * u (a head's weight is constant along its rows; ``weights`` is
     ``[n, block_q, 1]``, or already broadcast along D) and, since relu(logit) g = relu'(logit) g
-    (q . k_w), dweights = sum_d q * u. ``[n * block_q, D]`` and ``[n, block_q]`` float32, before the
-    softmax scale."""
+    (q . k_w), dweights = sum_d q * u. ``[n * block_q, D]`` and ``[n, block_q, 1]`` (each head's
+    column, as the lane sum leaves it) float32, before the softmax scale."""
     n, block_q = weights.shape[:2]
     u = u.reshape(n, block_q, -1)
-    dweights = jnp.sum(q.astype(jnp.float32).reshape(u.shape) * u, axis=2)
+    dweights = jnp.sum(q.astype(jnp.float32).reshape(u.shape) * u, axis=2, keepdims=True)
     return (u * weights).reshape(n * block_q, -1), dweights
 
 
