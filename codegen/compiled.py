@@ -79,6 +79,16 @@ BRANCHES = {
 BRANCHES[("dk", False)] = BRANCHES[("dq_dweights", False)]
 BRANCHES[("dq_dweights", True)] = BRANCHES[("dq_dweights", False)]
 BRANCHES[("dk", True)] = BRANCHES[("dk", False)]
+# Where the cotangent is exact in the MXU type (``Config.exact_cotangent``), the q block's first compute
+# block with work starts dq/dweights' sum (a select), so no region zeroes it; chunked or not.
+EXACT_ROUTE = {"dq_dweights": Branches(per_block=(("work", ()),), epilogue=(("last", ()),))}
+
+
+def kernel_branches(kernel: str, chunked: bool, exact_cotangent: bool = False) -> Branches:
+    """The ``Branches`` of a kernel of a variant with (``chunked``) or without head chunks."""
+    if exact_cotangent and kernel in EXACT_ROUTE:
+        return EXACT_ROUTE[kernel]
+    return BRANCHES[(kernel, chunked)]
 
 
 class StructureError(schedule.ScheduleError):
@@ -157,13 +167,15 @@ def _alike(groups) -> bool:
     return True
 
 
-def steps(kernel: str, chunked: bool, sched: schedule.Schedule, compute_blocks: int) -> Steps:
-    """Maps ``sched``'s branch regions onto the kernel's ``BRANCHES``; StructureError if they differ.
+def steps(
+    kernel: str, chunked: bool, sched: schedule.Schedule, compute_blocks: int, exact_cotangent: bool = False
+) -> Steps:
+    """Maps ``sched``'s branch regions onto the kernel's ``kernel_branches``; StructureError if they differ.
 
     Inside the compiler's wrapper region, the template's regions are a contiguous run: its prologue,
     ``compute_blocks`` alike groups, its epilogue. Regions the compiler adds around them (the copy of an
     output window, say) are shared code: issued, as an upper bound, on every step."""
-    branches = BRANCHES[(kernel, chunked)]
+    branches = kernel_branches(kernel, chunked, exact_cotangent)
     if not sched.spans:
         raise StructureError(f"{kernel}: no branch region in the grid-step body")
     inner = max(sched.spans, key=lambda s: s.size).children
@@ -309,7 +321,7 @@ def kernel_report(
             f"{kernel}: a loop inside a dense kernel's step is not costed ({len(loops)} found)"
         )
     n_blocks = t.block_w // t.compute_w
-    st = steps(kp.name, plan.head_chunk > 0, sched, n_blocks)
+    st = steps(kp.name, plan.head_chunk > 0, sched, n_blocks, plan.exact_cotangent)
     steady = not kp.reduced  # a step inside its reduction (neither first nor last), or its only step
     full = sched.skipped(st.skipped(["full"] * n_blocks, steady, steady))
     dmas, dma_bytes = sched.step_dmas(full)

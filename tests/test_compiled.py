@@ -93,7 +93,8 @@ def test_compiled_schedule_of_the_production_kernels(tmp_path):
     unmasked = cost.kind_matrix(t)
     for kp in plan.kernels:
         sched = schedule.parse(*kernels[f"{PRODUCTION}_{kp.name}"])
-        st = compiled.steps(kp.name, True, sched, n_blocks)  # raises if the branches are not the template's
+        # raises if the branches are not the template's
+        st = compiled.steps(kp.name, True, sched, n_blocks, plan.exact_cotangent)
         ex = t.extents
         assert sched.grid_trips == np.prod([ex[a] for a in kp.axes]) + compiled.PIPELINE_ITERATIONS
         # the shared code plus every region once is the straight-line body

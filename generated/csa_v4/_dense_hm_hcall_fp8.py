@@ -105,9 +105,10 @@ def _head(ref, h, head_dim):
 
 
 def _put_heads(ref, heads, x, head_dim, *, add=False):
-    """Stores (or with ``add``, adds) ``x``, stacked as ``_stacked_q`` stacks heads, into ``heads`` of ``ref``."""
+    """Stores ``x``, stacked as ``_stacked_q`` stacks heads, into ``heads`` of ``ref``, or adds it to what
+    they hold as ``add`` says (``_runtime.added``: True, or a traced bool)."""
     x = x.reshape(heads.stop - heads.start, -1, head_dim)
-    ref[heads] = ref[heads] + x if add else x
+    ref[heads] = _runtime.added(lambda: ref[heads], x, add)
 
 
 def _k_block(k_ref, cols):
@@ -217,10 +218,11 @@ def _dq_dweights_kernel(
     first = j == 0
     last = j == pl.num_programs(2) - 1
 
-    @pl.when(first)
-    def _zero():
-        dq_acc_ref[...] = jnp.zeros_like(dq_acc_ref)
-        if not cfg.exact_cotangent:  # else dweights are made whole at the last step
+    if not cfg.exact_cotangent:  # else the row's first block with work starts the sum (no region zeroes it)
+
+        @pl.when(first)
+        def _zero():
+            dq_acc_ref[...] = jnp.zeros_like(dq_acc_ref)
             dweights_acc_ref[...] = jnp.zeros_like(dweights_acc_ref)
 
     row = b * pl.num_programs(1) + i
@@ -235,7 +237,7 @@ def _dq_dweights_kernel(
                 logits = _logits(cfg, q, k, heads.stop - heads.start)
                 if cfg.exact_cotangent:
                     u = _runtime.masked_cotangent_by_k(cfg, logits, g, k)  # [n * block_q, D]
-                    _put_heads(dq_acc_ref, heads, u, head_dim, add=True)
+                    _put_heads(dq_acc_ref, heads, u, head_dim, add=jnp.logical_not(block.opens))
                 else:
                     dq, dweights = _runtime.dq_dweights(
                         cfg, logits, g, _head_weights(weights_ref, heads), q, k
@@ -248,10 +250,13 @@ def _dq_dweights_kernel(
         if cfg.exact_cotangent:  # dq_acc holds u: dq and dweights from it and q, head by head
             # the weights carry the softmax scale into dq; dweights = sum_d q u does not involve them
             weights = weights_ref[...]
+            seen = _runtime.row_has_work((any_lo_ref, any_hi_ref), row)
             lanes = jax.lax.broadcasted_iota(jnp.int32, weights.shape, 1)
             dweights = jnp.zeros(weights.shape, jnp.float32)  # [block_q, heads], as dweights_ref
             for h in range(weights.shape[1]):
-                u, q = _head(dq_acc_ref, h, head_dim), _head(q_ref, h, head_dim)
+                # a row no query of which sees any block was never written: its dq and dweights are 0
+                u = jnp.where(seen, _head(dq_acc_ref, h, head_dim), 0.0)
+                q = _head(q_ref, h, head_dim)
                 w = softmax_scale * _runtime.lane_broadcast(weights, h, head_dim)
                 dq, dweights_h = _runtime.dq_dweights_from_u(u, q, w[None])
                 _put_heads(dq_acc_ref, slice(h, h + 1), dq, head_dim)

@@ -392,6 +392,7 @@ class ComputeBlock(NamedTuple):
     cols: slice  # its columns in the tile (static)
     lo: jax.Array  # its first compressed block
     work: jax.Array  # bool: some query of the q block may see some of it (else: no matmul, no elementwise op)
+    opens: jax.Array  # bool, with work: the first such block of the q block's row (any_lo falls in it)
 
     @property
     def width(self):
@@ -409,7 +410,24 @@ def compute_blocks(bounds_refs, row, j, block_w, compute_w):
     for n in range(block_w // compute_w):
         lo = j * block_w + n * compute_w
         empty = _geometry.block_empty(any_lo, any_hi, lo, lo + compute_w)
-        yield ComputeBlock(slice(n * compute_w, (n + 1) * compute_w), lo, jnp.logical_not(empty))
+        yield ComputeBlock(
+            slice(n * compute_w, (n + 1) * compute_w), lo, jnp.logical_not(empty), lo <= any_lo
+        )
+
+
+def row_has_work(bounds_refs, row):
+    """Whether some query of the q block at ``row`` may see some compressed block: (any_lo, any_hi) refs."""
+    return bounds_refs[0][row] < bounds_refs[1][row]
+
+
+def added(read, x, add):
+    """``x`` plus what ``read()`` gives, as ``add`` says: False (no read), True, or a traced bool (a select,
+    so that what is not added may be anything, never-written memory included)."""
+    if add is False:
+        return x
+    if add is True:
+        return read() + x
+    return x + jnp.where(add, read(), 0.0)
 
 
 def mask(block, x, kv_bounds_ref, fill):
