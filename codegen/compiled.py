@@ -69,10 +69,8 @@ class Branches:
 BRANCHES = {
     # all heads in a step: the empty block's masked store, else the masked scores
     ("forward", False): Branches(per_block=(("empty", ()), ("work", ()))),
-    # a head chunk per step: zero at the first chunk; add a block with work; store at the last
-    ("forward", True): Branches(
-        prologue=(("first", ()),), per_block=(("work", ()), ("work_last", ()), ("empty_last", ()))
-    ),
+    # a head chunk per step: a block with work adds (the first chunk's starts the sum); store at the last
+    ("forward", True): Branches(per_block=(("work", ()), ("work_last", ()), ("empty_last", ()))),
     # zero at the reduction's first step; a block with work; store at the last
     ("dq_dweights", False): Branches(prologue=(("first", ()),), per_block=(("work", ()),), epilogue=(("last", ()),)),
 }  # fmt: skip

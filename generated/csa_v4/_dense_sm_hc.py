@@ -151,11 +151,6 @@ def _forward_kernel(
     del w_lo_ref, w_hi_ref  # used by the index maps only
     first = c == 0
     last = c == pl.num_programs(3) - 1
-
-    @pl.when(first)
-    def _zero():  # a region of its own: the head contraction then always adds, with no branch to cross
-        acc_ref[...] = jnp.zeros_like(acc_ref)
-
     row = b * pl.num_programs(1) + i
     for block in _runtime.compute_blocks((any_lo_ref, any_hi_ref), row, j, k_ref.shape[0], cfg.compute_w):
 
@@ -166,7 +161,11 @@ def _forward_kernel(
             logits = _logits(
                 cfg, _stacked_q(q_ref, heads, head_dim), _k_block(k_ref, block.cols), weights.shape[0]
             )
-            acc_ref[:, block.cols] += _contract_heads(logits, weights)
+            # the first chunk starts the sum (a select the MXU-bound region absorbs): no region zeroes acc
+            contribution = _contract_heads(logits, weights)
+            acc_ref[:, block.cols] = _runtime.added(
+                lambda: acc_ref[:, block.cols], contribution, jnp.logical_not(first)
+            )
 
         @pl.when(block.work & last)
         def _store():
