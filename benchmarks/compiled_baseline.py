@@ -24,7 +24,7 @@ from codegen import compiled, pipeline, tpu_compile  # noqa: E402
 PRODUCTION = (
     "tpu_hm_bf16_q256_w1024c512_hcall",
     "tpu_sm_bf16_q256_w1024c512_hcall",
-    "tpu_sm_bf16_q256_w1024c512_hc16",
+    "tpu_sm_bf16_q512_w2048c512_hc16",
 )
 UNITS = ("MXU", "XLU", "VALU", "VLOAD", "VSTORE")
 # MaxText's forward kernel (the seed PR's csa_streamindex.py: heads stacked, no branches, no skipping),

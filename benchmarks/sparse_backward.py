@@ -31,7 +31,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 SPEC = "specs/csa_v4.yaml"
 SHAPES = ((8192, 2048, 512), (65536, 16384, 1024))  # S, W, top_k
 HEADS, HEAD_DIM, BATCH = 64, 128, 1
-DEFAULT_VARIANT = "tpu_sm_bf16_q256_w1024c512_hc16"
+DEFAULT_VARIANT = "tpu_sm_bf16_q512_w2048c512_hc16"
 ROUTES = (("dense", "grad"), ("sparse", "sparse_grad"))
 
 

@@ -131,6 +131,26 @@ def test_compiled_schedule_of_the_production_kernels(tmp_path):
             compiled.steps("dk", True, sched, n_blocks)
 
 
+def test_a_reduction_of_one_step_folds_its_first_and_last_regions(tmp_path):
+    """With one w tile, every dq/dweights step is its q block's first and last: the compiler folds both
+    conditions, so the reader finds no epilogue and counts the finish as code every step issues."""
+    name, shape = "tpu_sm_bf16_q16_w128_hcall", (1, 8, 256, 128, 128)  # W = block_w: one w tile
+    plan = pipeline.load_family(SPEC_PATH).plan(name)
+    t = cost.tiling(plan, shape)
+    (result,) = tpu_compile.compile_many([tpu_compile.Request("generated.csa_v4", name, "7x", "grad", shape)],
+                                         keep=str(tmp_path))  # fmt: skip
+    assert result.ok, result.error
+    kp = next(k for k in plan.kernels if k.name == "dq_dweights")
+    assert kp.reduced and all(t.extents[a] == 1 for a in kp.reduced)
+    sched = schedule.parse(*result.kernels()[f"{name}_dq_dweights"])
+    n_blocks = t.block_w // t.compute_w
+    with pytest.raises(compiled.StructureError, match="dq_dweights: the step's"):
+        compiled.steps(kp.name, False, sched, n_blocks, plan.exact_cotangent)
+    st = compiled.steps(kp.name, False, sched, n_blocks, plan.exact_cotangent, one_step_reduction=True)
+    assert not st.prologue and not st.epilogue
+    assert st.bundles(["full"] * n_blocks, False, False) == sched.body  # the finish included
+
+
 # A grid loop of 10 steps holding a loop unrolled by 8 (its counter steps by 8 to 1024: 128 trips) that
 # issues a 512-byte row gather each trip, then a 128 KiB write-back and six idle bundles; the bounds check's quote of the
 # gather is not a DMA. Two delay slots after each branch.
