@@ -205,6 +205,11 @@ def steps(
     )
 
 
+def one_step_reduction(kp: KernelPlan, t: cost.Tiling) -> bool:
+    """Whether the kernel's reduction has one step at this tiling and shape (one w tile, say)."""
+    return bool(kp.reduced) and all(t.extents[a] == 1 for a in kp.reduced)
+
+
 # The grid loop runs this many iterations more than the grid has steps (its pipeline's fill and drain,
 # which issue DMAs and skip the wrapper region): read from every dense kernel's exit test by the tests.
 PIPELINE_ITERATIONS = 2
@@ -329,13 +334,12 @@ def kernel_report(
             f"{kernel}: a loop inside a dense kernel's step is not costed ({len(loops)} found)"
         )
     n_blocks = t.block_w // t.compute_w
-    ex = t.extents
-    one_step = bool(kp.reduced) and all(ex[a] == 1 for a in kp.reduced)
-    st = steps(kp.name, plan.head_chunk > 0, sched, n_blocks, plan.exact_cotangent, one_step)
+    st = steps(kp.name, plan.head_chunk > 0, sched, n_blocks, plan.exact_cotangent, one_step_reduction(kp, t))
     steady = not kp.reduced  # a step inside its reduction (neither first nor last), or its only step
     full = sched.skipped(st.skipped(["full"] * n_blocks, steady, steady))
     dmas, dma_bytes = sched.step_dmas(full)
     paths = {k: st.bundles([k] * n_blocks, steady, steady) for k in KINDS}
+    ex = t.extents
     return KernelReport(
         kernel=kernel,
         bundles=sched.bundles,

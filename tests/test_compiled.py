@@ -15,11 +15,11 @@ from codegen import cli, compiled, cost, pipeline, schedule, tpu_compile
 from tests.spec_cases import SPEC_PATH
 
 SHAPE = (1, 64, 8192, 128, 2048)
-PRODUCTION = "tpu_sm_bf16_q256_w1024c512_hc16"
+PRODUCTION = "tpu_sm_bf16_q256_w2048c512_hc16"
 # What libtpu printed for the sparse gather of bfloat16 rows before it read aligned row groups.
 MOSAIC_ERROR = (
     "XlaRuntimeError: INTERNAL: Mosaic failed to compile TPU kernel with MLIR module name "
-    "`tpu_sm_bf16_q256_w1024c512_hc16_sparse_forward` HLO name `tpu_sm_bf16_q256_w1024c512_hc16_sparse_forward.1`: "
+    "`tpu_sm_bf16_q256_w2048c512_hc16_sparse_forward` HLO name `tpu_sm_bf16_q256_w2048c512_hc16_sparse_forward.1`: "
     "E2003: CompileTimeMosaicUnprovenMemoryAccessAlignment: cannot statically prove that index in dimension 1 "
     "is a multiple of 8 The MLIR operation involved: %1 = vector.load ..."
 )
@@ -94,7 +94,8 @@ def test_compiled_schedule_of_the_production_kernels(tmp_path):
     for kp in plan.kernels:
         sched = schedule.parse(*kernels[f"{PRODUCTION}_{kp.name}"])
         # raises if the branches are not the template's
-        st = compiled.steps(kp.name, True, sched, n_blocks, plan.exact_cotangent)
+        one_step = compiled.one_step_reduction(kp, t)  # dq/dweights: one w tile at W = 2048
+        st = compiled.steps(kp.name, True, sched, n_blocks, plan.exact_cotangent, one_step)
         ex = t.extents
         assert sched.grid_trips == np.prod([ex[a] for a in kp.axes]) + compiled.PIPELINE_ITERATIONS
         # the shared code plus every region once is the straight-line body
@@ -141,7 +142,7 @@ def test_a_reduction_of_one_step_folds_its_first_and_last_regions(tmp_path):
                                          keep=str(tmp_path))  # fmt: skip
     assert result.ok, result.error
     kp = next(k for k in plan.kernels if k.name == "dq_dweights")
-    assert kp.reduced and all(t.extents[a] == 1 for a in kp.reduced)
+    assert compiled.one_step_reduction(kp, t)
     sched = schedule.parse(*result.kernels()[f"{name}_dq_dweights"])
     n_blocks = t.block_w // t.compute_w
     with pytest.raises(compiled.StructureError, match="dq_dweights: the step's"):

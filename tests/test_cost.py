@@ -22,7 +22,7 @@ SM_F32 = family().plan("tpu_sm_f32_q16_w128_hcall")
 # A 128 x 1024 tiling with one compute block per tile (the spec's q128w1024 candidate), hand-costed below.
 HM_BF16 = plan.build(
     dataclasses.replace(
-        family().plan("tpu_hm_bf16_q256_w1024c512_hc16").variant,
+        family().plan("tpu_hm_bf16_q256_w2048c512_hc16").variant,
         tiling="q128w1024",
         tiles=family().spec.tilings["q128w1024"],
     )
@@ -170,7 +170,7 @@ def test_block_fetches_matches_brute_force(grid):
 
 
 @pytest.mark.parametrize(
-    "name", ["tpu_hm_bf16_q16_w128_hc16", "tpu_sm_f32_q16_w128_hcall", "tpu_sm_fp8_q256_w1024c512_hc16"]
+    "name", ["tpu_hm_bf16_q16_w128_hc16", "tpu_sm_f32_q16_w128_hcall", "tpu_sm_fp8_q256_w2048c512_hc16"]
 )
 def test_fetches_match_a_walk_of_the_real_index_maps(name):
     """Every block's DMA count in the cost model equals a walk of the generated pallas_call's own index
@@ -252,7 +252,7 @@ def test_roofline():
     assert fwd.intensity() == pytest.approx((2**38 + vpu) / 337707008)
     # f32 inputs run at 1/6 of the bf16 rate.
     [f32_fwd, *_] = cost.variant_costs(
-        family().plan("tpu_hm_f32_q256_w1024c512_hc16"), (1, 64, 8192, 128, 2048)
+        family().plan("tpu_hm_f32_q256_w2048c512_hc16"), (1, 64, 8192, 128, 2048)
     )
     assert f32_fwd.compute_seconds(v6e) == pytest.approx(2**38 * 6 / 920e12 + vpu / 920e12)
 
@@ -301,7 +301,7 @@ def test_float32_default_precision_is_one_bf16_pass():
 
 
 @pytest.mark.parametrize(
-    "name", ["tpu_hm_bf16_q256_w1024c512_hc16", "tpu_sm_f32_q16_w128_hcall", "tpu_sm_fp8_q256_w1024c512_hc16"]
+    "name", ["tpu_hm_bf16_q256_w2048c512_hc16", "tpu_sm_f32_q16_w128_hcall", "tpu_sm_fp8_q256_w2048c512_hc16"]
 )
 def test_generated_cost_estimates_are_the_model(name):
     """Every pallas_call carries a pl.CostEstimate equal to codegen.cost's FLOPs and HBM bytes."""

@@ -21,7 +21,7 @@ from generated.csa_v4 import _topk as topk_module
 from tests import support
 
 SMALL = sorted(n for n in VARIANTS if "_q16_w128_" in n and not n.endswith("refbwd"))
-FP8 = "tpu_sm_fp8_q256_w1024c512_hc16"
+FP8 = "tpu_sm_fp8_q256_w2048c512_hc16"
 
 
 def _numpy_topk(scores, top_k):
@@ -215,7 +215,7 @@ def test_no_score_array_and_no_wide_sort_at_s65536_w16384(gradient):
     """Lowered for the TPU (Mosaic's lowering runs; nothing executes) at the issue's shape, top_k 1024:
     no value of S x W elements or more anywhere in the program, the Pallas kernels' operands included,
     and every sort at most W / 4 wide; the forward's largest array is a query chunk's scores."""
-    name = "tpu_sm_bf16_q256_w1024c512_hc16"
+    name = "tpu_sm_bf16_q256_w2048c512_hc16"
     module = VARIANTS[name]
     batch, heads, seq_len, head_dim, num_blocks, top_k = 1, 64, 65536, 128, 16384, 1024
     v = module.VARIANT

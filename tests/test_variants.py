@@ -20,7 +20,7 @@ FORWARD_SHAPES = {
     "ragged_two_chunks": (2, 32, 40, 128, 300),  # ragged S and W, two head chunks of 16
     "single_query_single_block": (1, 16, 1, 128, 1),
     "short_s_narrow_d": (1, 16, 5, 64, 129),  # S < every block_q; W one past a lane tile; D < 128
-    "several_production_tiles": (1, 16, 136, 128, 1100),  # > one 128 x 1024 tile each way
+    "several_production_tiles": (1, 16, 264, 128, 2100),  # > one 256 x 2048 tile each way
 }
 GRADIENT_SHAPES = {  # tests/test_masking.py adds masked gradients, and fully masked rows
     "ragged": (2, 32, 37, 128, 150),

@@ -19,15 +19,15 @@ from generated.csa_v4 import VARIANTS
 from tests import support
 from tests.spec_cases import ROOT, family
 
-PRODUCTION = "tpu_hm_bf16_q256_w1024c512_hc16"
+PRODUCTION = "tpu_hm_bf16_q256_w2048c512_hc16"
 # Causal CSA (S queries see at most S / 4 blocks) leaves compute blocks with no work: whole w tiles
-# (the production tiling computes its 1024-wide tile as one block: S = 1024 sees up to 256 of 2048
-# blocks, so the second tile of every q block is empty).
+# (at the production tiling S = 1024 sees up to 256 of 4096 blocks, so the second 2048-wide tile of
+# every q block is empty) and compute blocks inside the first.
 SHAPES = {
     "tpu_hm_bf16_q16_w128_hc16": (1, 16, 64, 64, 256),
     "tpu_sm_f32_q16_w128_hcall": (1, 16, 64, 64, 256),
-    "tpu_sm_fp8_q256_w1024c512_hc16": (1, 16, 256, 64, 2048),
-    PRODUCTION: (1, 16, 1024, 8, 2048),
+    "tpu_sm_fp8_q256_w2048c512_hc16": (1, 16, 256, 64, 2048),
+    PRODUCTION: (1, 16, 1024, 8, 4096),
 }
 
 
