@@ -133,6 +133,16 @@ def test_explain_json_and_causal(capsys):
         # MXU work.
         assert causal[kernel]["vpu_ops"] - vpu == (full[kernel]["vpu_ops"] - vpu) * 80 // 128
     assert causal["dk"]["hbm_bytes"] == full["dk"]["hbm_bytes"]  # every tile has work: no DMA skipped
+    # At W = 4096 no query sees the second 2048-wide tile: causal skipping issues none of its DMAs.
+    wide = ["explain", str(SPEC_PATH), PRODUCTION, "--shape", "1,64,8192,128,4096", "--json"]
+    assert cli.main(wide) == 0
+    wide_full = {row["kernel"]: row for row in json.loads(capsys.readouterr().out)}
+    assert cli.main(wide + ["--causal"]) == 0
+    wide_causal = {row["kernel"]: row for row in json.loads(capsys.readouterr().out)}
+    assert (
+        wide_causal["dk"]["compute_blocks"]["tiles_with_work"] < wide_causal["dk"]["compute_blocks"]["tiles"]
+    )
+    assert wide_causal["dk"]["hbm_bytes"] < wide_full["dk"]["hbm_bytes"]
 
 
 @pytest.mark.parametrize(
