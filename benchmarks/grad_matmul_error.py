@@ -1,15 +1,16 @@
 """The gradient error of each ``grad_matmul`` mode (dtype policy) and cotangent route, against float64.
 
 The backward kernels multiply a float32 factor with bfloat16 k (for dq) or the stacked bfloat16 q
-(for dk) on the MXU. Where the cotangent is not exact in bfloat16 (a float32 score, or a key scale
-folded into it), that factor is dlogits = g * w_h where the logit is positive; where it is (a
-bfloat16 score: ``Config.exact_cotangent``, every production variant), the masked g is exact and
-the head weights move off the [rows, W] tile: dq = w_h * (masked g . k) is one exact pass, and dk
-takes the weights on q (w_h * q, float32). ``split`` sends the float32 factor as a bfloat16 head and
-tail (two passes, float32-accurate); ``bf16`` rounds it (one pass). This runs the shipped
-``_runtime.dq_dweights`` and ``_runtime.dk`` on the kernels' own operands (heads stacked, causal mask
-applied) and reports the relative Frobenius error of dq, dk and dweights against float64, before and
-after the bfloat16 rounding of the returned gradient, beside the error that rounding alone makes.
+(for dk) on the MXU. dq is always the masked cotangent by k, u = (g where the logit is positive) . k,
+with the head weights and q applied to u once (``_runtime.masked_cotangent_by_k``,
+``dq_dweights_from_u``). Where the cotangent is exact in bfloat16 (a bfloat16 score:
+``Config.exact_cotangent``, every production variant), that is one exact pass, and dk takes the
+weights on q (w_h * q, float32). Where it is not (a float32 score, or a key scale folded into it),
+``split`` sends g as a bfloat16 head and tail (two exact passes) and ``bf16`` rounds it (one), and dk's
+factor is dlogits = g * w_h where the logit is positive, split or rounded the same way. This runs the
+shipped ``_runtime`` functions on the kernels' own operands (heads stacked, causal mask applied) and
+reports the relative Frobenius error of dq, dk and dweights against float64, before and after the
+bfloat16 rounding of the returned gradient, beside the error that rounding alone makes.
 
     python benchmarks/grad_matmul_error.py [--seq-len S] [--blocks W] [--heads H]
 
@@ -51,33 +52,42 @@ def main(argv=None) -> None:
     q = jax.random.normal(kq, (H * S, D), jnp.bfloat16)  # heads stacked along rows, as the kernels do
     k = jax.random.normal(kk, (W, D), jnp.bfloat16)
     weights = jax.random.normal(kw, (H, S, 1), jnp.bfloat16).astype(jnp.float32)
-    g = jax.random.normal(kg, (S, W), jnp.bfloat16).astype(jnp.float32)
     visible = np.arange(W)[None, :] < ((np.arange(S) + 1) // _runtime.COMPRESS_RATE)[:, None]
-    g = jnp.where(visible, g, 0.0)  # masked entries get no gradient
+    g32 = jnp.where(visible, jax.random.normal(kg, (S, W), jnp.float32), 0.0)  # masked entries: no gradient
+    cotangents = {"bf16 g": g32.astype(jnp.bfloat16).astype(jnp.float32), "f32 g": g32}
 
     logits = jnp.dot(q, k.T, preferred_element_type=jnp.float32).reshape(H, S, W)  # exact products
-    l64, g64, w64 = (np.asarray(a, np.float64) for a in (logits, g, weights))
-    d64 = np.where(l64 > 0.0, g64 * w64, 0.0).reshape(H * S, W)
-    q64, k64 = (np.asarray(a, np.float64) for a in (q, k))
-    ref = {"dq": d64 @ k64, "dk": d64.T @ q64, "dweights": np.sum(np.maximum(l64, 0.0) * g64, axis=2)}
-    rounded_ref = {
-        n: rel(np.asarray(jnp.asarray(r, jnp.float32).astype(jnp.bfloat16)), r) for n, r in ref.items()
-    }
     print(
-        f"H, S, D, W = {H}, {S}, {D}, {W}; causal, compress rate {_runtime.COMPRESS_RATE}; bf16 q, k, weights, g"
+        f"H, S, D, W = {H}, {S}, {D}, {W}; causal, compress rate {_runtime.COMPRESS_RATE}; bf16 q, k, weights"
     )
     print("relative Frobenius error against float64: float32 result / returned in bfloat16 (rounding alone)")
-    for exact in (True, False):
-        route = "exact g" if exact else "dlogits"
+    for route, g in cotangents.items():
+        exact = route == "bf16 g"
+        ref = reference(logits, g, weights, q, k)
+        rounded_ref = {
+            n: rel(np.asarray(jnp.asarray(r, jnp.float32).astype(jnp.bfloat16)), r) for n, r in ref.items()
+        }
         for mode in ("split", "bf16"):
-            cfg = SimpleNamespace(grad_matmul=mode, precision=None, exact_cotangent=exact)
-            dq, dweights = _runtime.dq_dweights(cfg, logits, g, weights, q, k)
-            out = {"dq": dq, "dk": _runtime.dk(cfg, logits, g, weights, q), "dweights": dweights}
+            parts = 1 if exact or mode == "bf16" else 2
+            cfg = SimpleNamespace(
+                grad_matmul=mode, precision=None, exact_cotangent=exact, cotangent_parts=parts
+            )
+            u = _runtime.masked_cotangent_by_k(cfg, logits, _runtime.cotangent_parts(cfg, g, k.dtype), k)
+            dq, dweights = _runtime.dq_dweights_from_u(u, q, weights)
+            out = {"dq": dq, "dk": _runtime.dk(cfg, logits, g, weights, q), "dweights": dweights[..., 0]}
             cells = [
                 f"{n} {fmt(rel(x, ref[n]))} / {fmt(rel(x.astype(jnp.bfloat16), ref[n]))} ({fmt(rounded_ref[n])})"
                 for n, x in out.items()
             ]
-            print(f"  {route:7s} {mode:5s}  " + "   ".join(cells))
+            print(f"  {route:6s} {mode:5s}  " + "   ".join(cells))
+
+
+def reference(logits, g, weights, q, k) -> dict[str, np.ndarray]:
+    """dq, dk and dweights in float64 from the same (exact) logits."""
+    l64, g64, w64 = (np.asarray(a, np.float64) for a in (logits, g, weights))
+    d64 = np.where(l64 > 0.0, g64 * w64, 0.0).reshape(-1, l64.shape[2])
+    q64, k64 = (np.asarray(a, np.float64) for a in (q, k))
+    return {"dq": d64 @ k64, "dk": d64.T @ q64, "dweights": np.sum(np.maximum(l64, 0.0) * g64, axis=2)}
 
 
 if __name__ == "__main__":

@@ -71,21 +71,18 @@ BRANCHES = {
     ("forward", False): Branches(per_block=(("empty", ()), ("work", ()))),
     # a head chunk per step: a block with work adds (the first chunk's starts the sum); store at the last
     ("forward", True): Branches(per_block=(("work", ()), ("work_last", ()), ("empty_last", ()))),
+    # a block with work (the q block's first one starts the sum of u: no region zeroes it); the finish
+    # at the last step
+    ("dq_dweights", False): Branches(per_block=(("work", ()),), epilogue=(("last", ()),)),
     # zero at the reduction's first step; a block with work; store at the last
-    ("dq_dweights", False): Branches(prologue=(("first", ()),), per_block=(("work", ()),), epilogue=(("last", ()),)),
+    ("dk", False): Branches(prologue=(("first", ()),), per_block=(("work", ()),), epilogue=(("last", ()),)),
 }  # fmt: skip
-BRANCHES[("dk", False)] = BRANCHES[("dq_dweights", False)]
 BRANCHES[("dq_dweights", True)] = BRANCHES[("dq_dweights", False)]
 BRANCHES[("dk", True)] = BRANCHES[("dk", False)]
-# Where the cotangent is exact in the MXU type (``Config.exact_cotangent``), the q block's first compute
-# block with work starts dq/dweights' sum (a select), so no region zeroes it; chunked or not.
-EXACT_ROUTE = {"dq_dweights": Branches(per_block=(("work", ()),), epilogue=(("last", ()),))}
 
 
-def kernel_branches(kernel: str, chunked: bool, exact_cotangent: bool = False) -> Branches:
+def kernel_branches(kernel: str, chunked: bool) -> Branches:
     """The ``Branches`` of a kernel of a variant with (``chunked``) or without head chunks."""
-    if exact_cotangent and kernel in EXACT_ROUTE:
-        return EXACT_ROUTE[kernel]
     return BRANCHES[(kernel, chunked)]
 
 
@@ -171,7 +168,6 @@ def steps(
     chunked: bool,
     sched: schedule.Schedule,
     compute_blocks: int,
-    exact_cotangent: bool = False,
     one_step_reduction: bool = False,
 ) -> Steps:
     """Maps ``sched``'s branch regions onto the kernel's ``kernel_branches``; StructureError if they differ.
@@ -181,7 +177,7 @@ def steps(
     output window, say) are shared code: issued, as an upper bound, on every step. Where the reduction
     has one step (``one_step_reduction``: one w tile, say) every step is its first and last, so the
     compiler folds the prologue's and epilogue's conditions: their code is shared code."""
-    branches = kernel_branches(kernel, chunked, exact_cotangent)
+    branches = kernel_branches(kernel, chunked)
     if one_step_reduction:
         branches = dataclasses.replace(branches, prologue=(), epilogue=())
     if not sched.spans:
@@ -334,7 +330,7 @@ def kernel_report(
             f"{kernel}: a loop inside a dense kernel's step is not costed ({len(loops)} found)"
         )
     n_blocks = t.block_w // t.compute_w
-    st = steps(kp.name, plan.head_chunk > 0, sched, n_blocks, plan.exact_cotangent, one_step_reduction(kp, t))
+    st = steps(kp.name, plan.head_chunk > 0, sched, n_blocks, one_step_reduction(kp, t))
     steady = not kp.reduced  # a step inside its reduction (neither first nor last), or its only step
     full = sched.skipped(st.skipped(["full"] * n_blocks, steady, steady))
     dmas, dma_bytes = sched.step_dmas(full)

@@ -277,7 +277,9 @@ def kernel_cost(
         vmem_bytes_unpadded=2 * _vmem(list(blocks.values()), False) + _vmem(single, False),
         hbm_bytes_by_operand=moved,
         min_hbm_bytes=sum(_min_bytes(b, t, blocks[b.name][1]) for b in kernel.blocks),
-        mxu_flops=2 * entries * p.head_dim * work.mxu_passes + finished * t.heads * work.finish_mxu_per_head,
+        mxu_flops=2 * entries * p.head_dim * work.mxu_passes
+        + finished * t.heads * work.finish_mxu_per_head
+        + p.batch * t.blocks_pad * p.head_dim * work.finish_mxu_per_key,
         vpu_ops=entries * work.vpu_ops + masks_built * pair_entries * work.mask_ops + finished * work.finish_vpu_ops,
         useful_flops=useful_entries * (2 * p.head_dim * work.useful_passes + work.vpu_ops),
         mxu_itemsize=plan.mxu_itemsize,

@@ -96,6 +96,8 @@ class Work:
     # D by an exact matmul of the step's weights [block_q, heads] by a one-hot).
     finish_vpu_ops: int = 0
     finish_mxu_per_head: int = 0
+    # Once per w tile, at the reduction's last step, MXU FLOPs per (compressed block, d) of k.
+    finish_mxu_per_key: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,9 +150,12 @@ class VariantPlan:
     # float32 dlogits meet the MXU "split" into a head and a tail of its type (two passes), rounded to
     # "bf16" (one pass), or "plain" (float32 q/k: one pass at the variant's precision)
     grad_matmul: str
-    # the cotangent is exact in the MXU's type (a score in that dtype, no key scale): dq contracts it,
-    # masked, in one exact pass and takes each head's weight on its rows after (``_runtime.dq_dweights``)
+    # the cotangent is exact in the MXU's type (a score in that dtype): dk transposes it, masked, in that
+    # type and takes each head's weight on q (``_runtime.dk``)
     exact_cotangent: bool
+    # MXU passes of the masked cotangent by k in dq (``_runtime.masked_cotangent_by_k``): 1 where it is
+    # exact in the MXU's type or rounded to it, 2 where a float32 one is split into a head and a tail
+    cotangent_parts: int
     kernels: tuple[KernelPlan, ...]
 
     @property
@@ -251,10 +256,14 @@ def build(variant: Variant) -> VariantPlan:
     else:
         grad_matmul, grad_passes = policy.grad_matmul, 2 if policy.grad_matmul == "split" else 1
     dlogits = (Buffer("dlogits", ("grad_heads", "block_q", "compute_w"), policy.mxu_dtype),) * grad_passes
-    # A score in the MXU's type with no key scale: its cotangent is exact there, so dq's head weights
-    # (constant along a row of dlogits) leave the matmul and dq is one exact pass of the masked g.
-    exact_cotangent = policy.out == policy.mxu_dtype and not policy.k_scale
-    dq_passes = 1 if exact_cotangent else grad_passes
+    # A score in the MXU's type: its cotangent is exact there, and dk transposes the masked g in that
+    # type (a key scale waits for the w tile's finish). dq's head weights (constant along a row of
+    # dlogits) always leave its matmul: dq is the masked g by k, one exact pass where g is exact and
+    # unscaled, else g (times any key scale; float32) meets the MXU as grad_matmul says: a head and a
+    # tail of the MXU type, each exact there (two passes, split on [block_q, compute_w] once for all
+    # heads), or rounded (one).
+    exact_cotangent = policy.out == policy.mxu_dtype
+    cotangent_parts = 1 if exact_cotangent and not policy.k_scale else grad_passes
     whole_logits = (Buffer("logits", ("heads", "block_q", "compute_w"), F32),)
     highest_f32 = policy.mxu_dtype == F32 and policy.precision == "highest"
     grad_stacked_q = Buffer("stacked_q", ("grad_heads", "block_q", "head_dim"), policy.mxu_dtype)
@@ -294,29 +303,25 @@ def build(variant: Variant) -> VariantPlan:
                 scalar_prefetch=q_block_ranges,
                 inputs=inputs + (blocks["g"],),
                 outputs=(blocks["dq"], blocks["dweights"]),
-                scratch=(Buffer("dq_acc", q_block, F32), Buffer("dweights_acc", ("heads", "block_q"), F32)),
+                scratch=(Buffer("dq_acc", q_block, F32),),
                 temporaries=(grad_stacked_q, logits, tile)
-                + dlogits[:dq_passes]
+                + dlogits[:cotangent_parts]
                 + k_tile,  # tile: the cotangent in float32
                 skip=_skip(dq_grid, "j", "i", "w_lo", "w_hi"),
-                # relu, g * relu and its row sum (dweights), g * weight and the relu' select (dlogits); or
-                # with an exact cotangent only the select, and once per q block on the summed [rows, D]:
-                # the weights (broadcast by the MXU) and the scale on it, q times it and its row sum
+                # the relu' select of each part of the masked cotangent; once per q block on the summed
+                # [rows, D]: the weights (broadcast by the MXU) and the scale on it, q times it and its row sum
                 work=Work(
-                    mxu_passes=1 + dq_passes,
-                    vpu_ops=1 if exact_cotangent else 5,
+                    mxu_passes=1 + cotangent_parts,
+                    vpu_ops=cotangent_parts,
                     useful_passes=2,
-                    finish_vpu_ops=4 if exact_cotangent else 0,
-                    finish_mxu_per_head=2 if exact_cotangent else 0,
+                    finish_vpu_ops=4,
+                    finish_mxu_per_head=2,
                 ),
             )
         )
         dk_grid = _grid(chunked, ("b", PARALLEL), ("j", PARALLEL), ("i", ARBITRARY), ("c", ARBITRARY))
         dk_scratch = (Buffer("dk_acc", ("block_w", "head_dim"), F32),)
         dk_temporaries = (grad_stacked_q, logits, tile) + dlogits + k_tile  # tile: the cotangent in float32
-        if scaled:
-            dk_scratch += (Buffer("dk_scale_acc", (1, "block_w"), F32),)
-            dk_temporaries += (tile,)  # the weighted relu head sum, for dk_scale
         kernels.append(
             KernelPlan(
                 name="dk",
@@ -328,8 +333,9 @@ def build(variant: Variant) -> VariantPlan:
                 scratch=dk_scratch,
                 temporaries=dk_temporaries,
                 skip=_skip(dk_grid, "i", "j", "q_lo", "q_hi"),
-                # the dlogits select and multiply; with a key scale, relu, weight multiply and head sum again
-                work=Work(mxu_passes=1 + grad_passes, vpu_ops=2 + 3 * scaled, useful_passes=2),
+                # the dlogits select and multiply; with a key scale, once per w tile: the scale broadcast
+                # along D and the row sums of k * dk (dk_scale), each an exact MXU dot with ones
+                work=Work(mxu_passes=1 + grad_passes, vpu_ops=2, useful_passes=2, finish_mxu_per_key=4 * scaled),
             )
         )
     narrowest = min((policy.qk, policy.weights, policy.out), key=geometry.itemsize)
@@ -345,6 +351,7 @@ def build(variant: Variant) -> VariantPlan:
         mxu_operand=policy.mxu_dtype,
         grad_matmul=grad_matmul,
         exact_cotangent=exact_cotangent,
+        cotangent_parts=cotangent_parts,
         kernels=tuple(kernels),
     )
 

@@ -95,7 +95,7 @@ def test_compiled_schedule_of_the_production_kernels(tmp_path):
         sched = schedule.parse(*kernels[f"{PRODUCTION}_{kp.name}"])
         # raises if the branches are not the template's
         one_step = compiled.one_step_reduction(kp, t)  # dq/dweights: one w tile at W = 2048
-        st = compiled.steps(kp.name, True, sched, n_blocks, plan.exact_cotangent, one_step)
+        st = compiled.steps(kp.name, True, sched, n_blocks, one_step)
         ex = t.extents
         assert sched.grid_trips == np.prod([ex[a] for a in kp.axes]) + compiled.PIPELINE_ITERATIONS
         # the shared code plus every region once is the straight-line body
@@ -146,8 +146,8 @@ def test_a_reduction_of_one_step_folds_its_first_and_last_regions(tmp_path):
     sched = schedule.parse(*result.kernels()[f"{name}_dq_dweights"])
     n_blocks = t.block_w // t.compute_w
     with pytest.raises(compiled.StructureError, match="dq_dweights: the step's"):
-        compiled.steps(kp.name, False, sched, n_blocks, plan.exact_cotangent)
-    st = compiled.steps(kp.name, False, sched, n_blocks, plan.exact_cotangent, one_step_reduction=True)
+        compiled.steps(kp.name, False, sched, n_blocks)
+    st = compiled.steps(kp.name, False, sched, n_blocks, one_step_reduction=True)
     assert not st.prologue and not st.epilogue
     assert st.bundles(["full"] * n_blocks, False, False) == sched.body  # the finish included
 

@@ -65,10 +65,10 @@ def test_seq_major_f32_small():
     assert dq.fetches == {"q": 2, "k": 4, "weights": 2, "kv_bounds": 2, "g": 4, "dq": 2, "dweights": 2}
     assert dq.hbm_bytes == 361216
     assert dq.min_hbm_bytes == 197120 + 32768 + 256  # + dq + dweights
-    # VMEM: 2 * (106496 inputs + 16384 dq + 8192 dweights) = 262144; accumulators f32 [16, 256] 16384 and
-    # [2 heads, 16] -> [8, 128] 4096; a head group's stacked q, logits and dlogits [2, 16, 128] f32
-    # 3 * 16384, the cotangent tile 8192. Total 339968.
-    assert dq.vmem_bytes == 262144 + 16384 + 4096 + 3 * 16384 + 8192
+    # VMEM: 2 * (106496 inputs + 16384 dq + 8192 dweights) = 262144; the accumulator of u, f32 [16, 256]
+    # 16384; a head group's stacked q, logits and dlogits [2, 16, 128] f32 3 * 16384, the cotangent tile
+    # 8192. Total 335872.
+    assert dq.vmem_bytes == 262144 + 16384 + 3 * 16384 + 8192
     # f32: one pass per matmul; the cotangent is exact, so dq and dweights come from one matmul and only
     # the relu' select is per entry. 2 * 4194304 + 1*2*32*256 = 8388608 + 16384, and the mask 49152.
     # Once per q block, on the summed [rows, D] (B*S*H*D = 8192 entries): the weights broadcast by an
@@ -115,11 +115,11 @@ def test_head_major_bf16_chunked():
     assert dq.grid == (1, 2, 2, 2)
     assert dq.hbm_bytes == 8423424
     assert dq.min_hbm_bytes == 2097152 + 524288 + 16384 + 2048 + 1048576 + 2097152 + 16384
-    # VMEM: 2 * (1146880 inputs + 524288 dq + 32768 dweights) = 3407872; f32 dq accumulator 1048576,
-    # dweights accumulator [16, 128] 8192; a head group (16): stacked q [16 * 128, 128] bf16 524288,
-    # logits [16, 128, 1024] f32 8388608, the masked cotangent in bf16 4194304 (exact: a bf16 score's
-    # cotangent, so one pass, the weights after); the cotangent [128, 1024] f32 524288.
-    assert dq.vmem_bytes == 3407872 + 1048576 + 8192 + 524288 + 8388608 + 4194304 + 524288
+    # VMEM: 2 * (1146880 inputs + 524288 dq + 32768 dweights) = 3407872; f32 accumulator of u 1048576;
+    # a head group (16): stacked q [16 * 128, 128] bf16 524288, logits [16, 128, 1024] f32 8388608, the
+    # masked cotangent in bf16 4194304 (exact: a bf16 score's cotangent, so one pass, the weights
+    # after); the cotangent [128, 1024] f32 524288.
+    assert dq.vmem_bytes == 3407872 + 1048576 + 524288 + 8388608 + 4194304 + 524288
     # bf16: the dq matmul is one exact pass, dweights from its result: 2 * 2**32 MXU, 2**24 elementwise
     # (the relu' select), the mask per head chunk: 2 * 6 * 2**19; once per q block and chunk on the
     # summed [rows, D] (B*S*H*D = 2**20 entries): the weights' one-hot broadcast, 2 * 16 FLOPs per
@@ -222,7 +222,7 @@ def test_tiling_matches_generated_modules():
 def test_vmem_footprints_are_full_tiles():
     assert cost.vmem_footprints(HM_BF16, 32, 128) == {  # see test_head_major_bf16_chunked
         "forward": 2293760 + 524288 + 524288 + 2 * 524288,
-        "dq_dweights": 3407872 + 1048576 + 8192 + 524288 + 8388608 + 4194304 + 524288,
+        "dq_dweights": 3407872 + 1048576 + 524288 + 8388608 + 4194304 + 524288,
         "dk": 2818048 + 524288 + 524288 + 8388608 + 2 * 4194304 + 524288,
     }
 
@@ -283,11 +283,13 @@ def test_float8_keys_with_scale():
     assert dk.hbm_bytes == (
         8 * 262144 + 2 * 131072 + 8 * 4096 + 4 * 1024 + 2 * 4096 + 4 * 262144 + 2 * 262144 + 2 * 4096
     )
-    # The MXU runs bf16 (float8 is upcast in VMEM), so the gradient matmul splits: 3 passes of 2**32;
-    # dk also recomputes the weighted relu sum for dk_scale: (2 + 3) * 2**24 elementwise; the mask per
-    # head chunk, 2 * 6 * 2**19.
-    assert fwd.mxu_itemsize == 2 and dq.mxu_flops == 3 * 2**32
-    assert dk.flops == 3 * 2**32 + 5 * 2**24 + 12 * 2**19
+    # The MXU runs bf16 (float8 is upcast in VMEM), and the key scale makes the cotangent inexact there:
+    # dq's masked cotangent goes as a head and a tail (3 passes of 2**32), then once per q block and
+    # chunk the weights' one-hot broadcast, 2 * 16 FLOPs per (head, query, d) of q (2**20 of them);
+    # dk's dlogits split (3 passes), 2 * 2**24 elementwise, the mask per head chunk, 2 * 6 * 2**19, and
+    # once per w tile dk_scale from the summed dk and k: two dots with ones, 4 FLOPs per (block, d).
+    assert fwd.mxu_itemsize == 2 and dq.mxu_flops == 3 * 2**32 + 32 * 2**20
+    assert dk.flops == 3 * 2**32 + 2 * 2**24 + 12 * 2**19 + 4 * 2048 * 128
 
 
 def test_float32_default_precision_is_one_bf16_pass():

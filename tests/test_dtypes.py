@@ -144,7 +144,7 @@ def test_gradient_matmul_modes(dims):
     exact = lhs64 @ rhs64 if dims == "CONTRACT_INNER" else lhs64.T @ rhs64
 
     def run(mode):
-        cfg = _runtime.Config({}, 8, None, mode, False, {}, {})
+        cfg = _runtime.Config({}, 8, None, mode, False, 1, {}, {})
         return np.asarray(_runtime.grad_matmul(cfg, lhs, rhs, numbers), np.float64)
 
     def error(x):

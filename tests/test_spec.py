@@ -251,6 +251,7 @@ def test_grad_matmul_sets_the_gradient_passes():
     assert split.kernel("dq_dweights").work.mxu_passes == rounded.kernel("dq_dweights").work.mxu_passes == 2
     fp8 = shipped_plans.plan("tpu_sm_fp8_q256_w2048c512_hc16")  # a key scale: the cotangent is not exact
     assert not fp8.exact_cotangent and fp8.kernel("dq_dweights").work.mxu_passes == 3
+    assert (split.cotangent_parts, rounded.cotangent_parts, fp8.cotangent_parts) == (1, 1, 2)
     assert shipped_plans.plan("tpu_hm_f32_q128_w1024c512_hcall").grad_matmul == "plain"
 
 

@@ -199,26 +199,19 @@ def _dq_dweights_kernel(
     w_lo_ref, w_hi_ref, any_lo_ref, any_hi_ref,   # scalar prefetch
     q_ref, k_ref, weights_ref, kv_bounds_ref, g_ref,   # inputs
     dq_ref, dweights_ref,   # outputs
-    dq_acc_ref, dweights_acc_ref,   # scratch
+    dq_acc_ref,   # scratch
     *, cfg, softmax_scale, head_dim,
 ):  # fmt: skip
     """dq and dweights of one q block, reduced over w tiles (the innermost grid axis),
     cfg.compute_w compressed blocks at a time: one that no query of the q block may see does no work.
 
-    Where the cotangent is exact in the MXU type (``cfg.exact_cotangent``), a step only sums u, the
-    masked cotangent by k, into dq_acc: dq and dweights follow from it and q once, at the last step.
+    A step only sums u, the masked cotangent by k (cfg.cotangent_parts MXU passes), into dq_acc: dq and
+    dweights follow from it and q once, at the last step.
     """
     b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     del w_lo_ref, w_hi_ref  # used by the index maps only
-    first = j == 0
+    # only the last step: the row's first block with work starts the sum, so no region zeroes it
     last = j == pl.num_programs(2) - 1
-
-    if not cfg.exact_cotangent:  # else the row's first block with work starts the sum (no region zeroes it)
-
-        @pl.when(first)
-        def _zero():
-            dq_acc_ref[...] = jnp.zeros_like(dq_acc_ref)
-            dweights_acc_ref[...] = jnp.zeros_like(dweights_acc_ref)
 
     row = b * pl.num_programs(1) + i
     for block in _runtime.compute_blocks((any_lo_ref, any_hi_ref), row, j, k_ref.shape[0], cfg.compute_w):
@@ -226,43 +219,31 @@ def _dq_dweights_kernel(
         @pl.when(block.work)
         def _accumulate():
             k = _k_block(k_ref, block.cols)
-            g = _cotangent(block, g_ref, kv_bounds_ref)
+            g = _runtime.cotangent_parts(cfg, _cotangent(block, g_ref, kv_bounds_ref), k.dtype)
             for heads in _runtime.head_groups(weights_ref.shape[1]):
-                q = _stacked_q(q_ref, heads, head_dim)
-                logits = _logits(cfg, q, k, heads.stop - heads.start)
-                if cfg.exact_cotangent:
-                    u = _runtime.masked_cotangent_by_k(cfg, logits, g, k)  # [n * block_q, D]
-                    _put_heads(dq_acc_ref, heads, u, head_dim, add=jnp.logical_not(block.opens))
-                else:
-                    dq, dweights = _runtime.dq_dweights(
-                        cfg, logits, g, _head_weights(weights_ref, heads), q, k
-                    )
-                    dweights_acc_ref[heads, :] += dweights  # [n, block_q]
-                    _put_heads(dq_acc_ref, heads, dq, head_dim, add=True)
+                logits = _logits(cfg, _stacked_q(q_ref, heads, head_dim), k, heads.stop - heads.start)
+                u = _runtime.masked_cotangent_by_k(cfg, logits, g, k)  # [n * block_q, D]
+                _put_heads(dq_acc_ref, heads, u, head_dim, add=jnp.logical_not(block.opens))
 
     @pl.when(last)
-    def _store():
-        if cfg.exact_cotangent:  # dq_acc holds u: dq and dweights from it and q, head by head
-            # the weights carry the softmax scale into dq; dweights = sum_d q u does not involve them
-            weights = weights_ref[...]
-            seen = _runtime.row_has_work((any_lo_ref, any_hi_ref), row)
-            lanes = jax.lax.broadcasted_iota(jnp.int32, weights.shape, 1)
-            dweights = jnp.zeros(weights.shape, jnp.float32)  # [block_q, heads], as dweights_ref
-            for h in range(weights.shape[1]):
-                # a row no query of which sees any block was never written: its dq and dweights are 0
-                u = jnp.where(seen, _head(dq_acc_ref, h, head_dim), 0.0)
-                q = _head(q_ref, h, head_dim)
-                w = softmax_scale * _runtime.lane_broadcast(weights, h, head_dim)
-                dq, dweights_h = _runtime.dq_dweights_from_u(u, q, w[None])
-                _put_heads(dq_acc_ref, slice(h, h + 1), dq, head_dim)
-                # head h's column into lane h by a select: as a row, the XLU (busy with the lane sums)
-                # would move it across lanes
-                dweights = jnp.where(lanes == h, dweights_h[0], dweights)
-            dq_ref[...] = dq_acc_ref[...].astype(dq_ref.dtype)
-            dweights_ref[...] = (softmax_scale * dweights).astype(dweights_ref.dtype)
-        else:
-            dq_ref[...] = (softmax_scale * dq_acc_ref[...]).astype(dq_ref.dtype)
-            dweights_ref[...] = (softmax_scale * dweights_acc_ref[...].T).astype(dweights_ref.dtype)
+    def _store():  # dq_acc holds u: dq and dweights from it and q, head by head
+        # the weights carry the softmax scale into dq; dweights = sum_d q u does not involve them
+        weights = weights_ref[...]
+        seen = _runtime.row_has_work((any_lo_ref, any_hi_ref), row)
+        lanes = jax.lax.broadcasted_iota(jnp.int32, weights.shape, 1)
+        dweights = jnp.zeros(weights.shape, jnp.float32)  # [block_q, heads], as dweights_ref
+        for h in range(weights.shape[1]):
+            # a row no query of which sees any block was never written: its dq and dweights are 0
+            u = jnp.where(seen, _head(dq_acc_ref, h, head_dim), 0.0)
+            q = _head(q_ref, h, head_dim)
+            w = softmax_scale * _runtime.lane_broadcast(weights, h, head_dim)
+            dq, dweights_h = _runtime.dq_dweights_from_u(u, q, w[None])
+            _put_heads(dq_acc_ref, slice(h, h + 1), dq, head_dim)
+            # head h's column into lane h by a select: as a row, the XLU (busy with the lane sums)
+            # would move it across lanes
+            dweights = jnp.where(lanes == h, dweights_h[0], dweights)
+        dq_ref[...] = dq_acc_ref[...].astype(dq_ref.dtype)
+        dweights_ref[...] = (softmax_scale * dweights).astype(dweights_ref.dtype)
 
 
 def _cotangent(block, g_ref, kv_bounds_ref):
@@ -341,10 +322,7 @@ def backward(cfg, softmax_scale, interpret, out_dtype, residuals, g):
                 x.weights.shape, _runtime.grad_dtype(weights, cfg.dtype("weights"))
             ),
         },
-        scratch=[
-            pltpu.VMEM((x.heads, x.block_q, x.head_dim), jnp.float32),
-            pltpu.VMEM((x.heads, x.block_q), jnp.float32),
-        ],
+        scratch=[pltpu.VMEM((x.heads, x.block_q, x.head_dim), jnp.float32)],
         block_specs=_block_specs,
         follows=FOLLOWS,
         interpret=interpret,

@@ -169,7 +169,9 @@ class Config(NamedTuple):
     sublanes: int  # row granule of a shrunk q block: the native tiling of the narrowest q-row dtype
     precision: jax.lax.Precision  # of the logits matmuls
     grad_matmul: str  # float32 dlogits meet the MXU "split" (two passes), "bf16" (one) or "plain" (float32)
-    exact_cotangent: bool  # the cotangent is exact in the MXU type: dq is one exact pass, weights after
+    exact_cotangent: bool  # the cotangent is exact in the MXU type: dk transposes it, masked, in that type
+    # MXU passes of dq's masked cotangent by k: 1 (exact, or rounded) or 2 (a head and a tail, each exact)
+    cotangent_parts: int
     # kernel -> (MXU passes of a logits-sized matmul, elementwise ops) per (head, query, block), (mask
     # ops per (query, block), whether per head chunk)
     work: dict
@@ -501,32 +503,26 @@ def grad_matmul_rhs(cfg, lhs, rhs):
 
 def relu_grad(logits, g, dtype):
     """g where the logit is positive, else 0, ``[n * block_q, compute_w]`` in ``dtype`` (the MXU type: exact
-    there when the cotangent is, ``Config.exact_cotangent``)."""
+    there when the cotangent is, ``Config.exact_cotangent``, or a part of it is, ``cotangent_parts``)."""
     return jnp.where(logits > 0.0, g, 0.0).reshape(-1, logits.shape[2]).astype(dtype)
 
 
-def dq_dweights(cfg, logits, g, weights, q, k):
-    """dq ``[n * block_q, D]`` (rows stacked as the group's q is) and dweights ``[n, block_q]`` of a group
-    of heads over one compute block, float32, before the softmax scale.
-
-    dweights is sum_w relu(logit) g, and dq_h is w_h * sum_w relu'(logit) g k_w. Where the cotangent is
-    exact in the MXU type (``cfg.exact_cotangent``), both come from one exact matmul, u
-    (``masked_cotangent_by_k``), and q (``dq_dweights_from_u``); the kernel sums u over the compute
-    blocks first and finishes once per q block. Else dlogits carry the weights and meet the MXU as
-    ``cfg.grad_matmul`` says.
-    """
-    if cfg.exact_cotangent:
-        dq, dweights = dq_dweights_from_u(masked_cotangent_by_k(cfg, logits, g, k), q, weights)
-        return dq, dweights[..., 0]
-    dweights = jnp.sum(jnp.maximum(logits, 0.0) * g, axis=2)
-    return grad_matmul(cfg, dlogits(logits, g, weights), k), dweights
+def cotangent_parts(cfg, g, dtype):
+    """The float32 cotangent ``g`` [block_q, compute_w] as the MXU takes it in ``dtype``, parts that sum to
+    it: itself (exact there, or to be rounded), or a head and a tail each exact in ``dtype``
+    (``cfg.cotangent_parts`` == 2: ~16 bits of a float32 g), split once for all heads of the block."""
+    if cfg.cotangent_parts == 2:
+        return tuple(part.astype(jnp.float32) for part in split(g, dtype))
+    return (g,)
 
 
 def masked_cotangent_by_k(cfg, logits, g, k):
     """u = (g where the logit is positive) . k of a group of heads, ``[n * block_q, D]`` float32 (rows
-    stacked as the group's q is): one exact MXU pass where the cotangent is exact in k's type. Only the
-    select is done per (head, query, block); the weights and q act on u, summed over the blocks."""
-    return matmul(relu_grad(logits, g, k.dtype), k, cfg.precision)
+    stacked as the group's q is): one MXU pass per part of g (``cotangent_parts``), each exact in k's
+    type or rounded to it. Only the select is done per (head, query, block) and part; the weights and q
+    act on u, summed over the blocks (``dq_dweights_from_u``)."""
+    u = [matmul(relu_grad(logits, part, k.dtype), k, cfg.precision) for part in g]
+    return u[0] if len(u) == 1 else u[0] + u[1]
 
 
 def dq_dweights_from_u(u, q, weights):
@@ -547,6 +543,24 @@ def lane_broadcast(x, column, width):
     one_hot = jax.lax.broadcasted_iota(jnp.int32, (x.shape[1], width), 0) == column
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     return matmul(x, one_hot.astype(x.dtype), precision)
+
+
+def rows_across(row, width):
+    """A float32 row ``[1, n]`` as a column broadcast across ``width`` lanes, ``[n, width]``: each value
+    times ones by the MXU (exact at HIGHEST), where moving it from lanes to sublanes costs the XLU."""
+    ones = jnp.ones((1, width), jnp.float32)
+    return jax.lax.dot_general(
+        row, ones, CONTRACT_FIRST, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+    )
+
+
+def row_sums(x):
+    """The sums along the lanes of float32 ``x`` [n, d] as a lane-dense row ``[1, n]``: ones times xᵀ by
+    the MXU at HIGHEST, which leaves the sums where a row of them is wanted."""
+    ones = jnp.ones((1, x.shape[1]), jnp.float32)
+    return jax.lax.dot_general(
+        ones, x, CONTRACT_LAST, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+    )
 
 
 def dlogits(logits, g, weights):
@@ -579,20 +593,24 @@ def cost_estimate(grid_axes, grid, blocks, work, x):
 
     ``blocks``: (BlockSpec, array or ShapeDtypeStruct, grid axes its index follows) per operand;
     ``work``: (MXU passes of a logits-sized matmul, elementwise operations) per entry, the mask's
-    operations per (query, compressed block), built per head chunk or once, and at each q block's last
-    step, per (head, query, d) of q, elementwise operations and MXU FLOPs per head of the step.
+    operations per (query, compressed block), built per head chunk or once, at each q block's last
+    step, per (head, query, d) of q, elementwise operations and MXU FLOPs per head of the step, and at
+    each w tile's last step MXU FLOPs per (compressed block, d) of k.
     """
     moved = 0
     for spec, array, follows in blocks:
         fetches = _geometry.block_fetches(grid, [grid_axes.index(a) for a in follows if a in grid_axes])
         block = [d for d in spec.block_shape if isinstance(d, int)]
         moved += fetches * math.prod(block) * jnp.dtype(array.dtype).itemsize
-    mxu_passes, vpu_ops, mask_ops, mask_per_chunk, finish_vpu_ops, finish_mxu_per_head = work
+    mxu_passes, vpu_ops, mask_ops, mask_per_chunk, finish_vpu_ops, finish_mxu_per_head, finish_mxu_per_key = (
+        work
+    )
     entries = x.batch * x.num_heads * x.seq_pad * x.blocks_pad
     masks = x.batch * x.seq_pad * x.blocks_pad * mask_ops * (x.num_chunks if mask_per_chunk else 1)
     finished = x.batch * x.seq_pad * x.num_heads * x.head_dim
     flops = entries * (2 * x.head_dim * mxu_passes + vpu_ops) + masks
     flops += finished * (finish_vpu_ops + finish_mxu_per_head * x.heads)
+    flops += x.batch * x.blocks_pad * x.head_dim * finish_mxu_per_key
     return pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=moved)
 
 

@@ -56,15 +56,18 @@ CONFIG = _runtime.Config(  # the kernel plan's facts the shared kernels take fro
     precision=jax.lax.Precision.DEFAULT,
     # The float32 dlogits tile meets the MXU as a bfloat16 head and tail: two passes, float32 accuracy.
     grad_matmul="split",
-    # The cotangent is not exact in bfloat16 (a float32 score): dq's dlogits carry the head weights.
+    # The cotangent is not exact in bfloat16 (a float32 score): dq and dweights come from the masked
+    # cotangent by k in two exact passes (a head and a tail of it).
+    # dk's float32 dlogits carry the head weights.
     exact_cotangent=False,
+    cotangent_parts=2,
     # Per kernel and (head, query, block) entry: MXU passes of a logits-sized matmul, elementwise operations;
     # the mask's operations, per head chunk or once; per (head, query, d) at a q block's last step: elementwise
-    # operations, MXU FLOPs per head of the step.
+    # operations, MXU FLOPs per head of the step; per (block, d) of k at a w tile's last step: MXU FLOPs.
     work={
-        "forward": (1, 3, 6, False, 0, 0),
-        "dq_dweights": (3, 5, 6, True, 0, 0),
-        "dk": (3, 2, 6, True, 0, 0),
+        "forward": (1, 3, 6, False, 0, 0, 0),
+        "dq_dweights": (3, 2, 6, True, 4, 2, 0),
+        "dk": (3, 2, 6, True, 0, 0, 0),
     },
     # Scoped VMEM to compile each kernel with (None: the chip's default); codegen sized it for v5e, v5p, v6e, 7x.
     vmem_limit_bytes={"forward": None, "dq_dweights": 38797312, "dk": 35651584},

@@ -57,14 +57,16 @@ CONFIG = _runtime.Config(  # the kernel plan's facts the shared kernels take fro
     # The float32 dlogits tile meets the MXU as it is: one pass at that precision.
     grad_matmul="plain",
     # The cotangent is exact in float32: dq and dweights come from one exact pass of it, masked, by k.
+    # dk transposes the masked cotangent in float32 (exact: a float32 score).
     exact_cotangent=True,
+    cotangent_parts=1,
     # Per kernel and (head, query, block) entry: MXU passes of a logits-sized matmul, elementwise operations;
     # the mask's operations, per head chunk or once; per (head, query, d) at a q block's last step: elementwise
-    # operations, MXU FLOPs per head of the step.
+    # operations, MXU FLOPs per head of the step; per (block, d) of k at a w tile's last step: MXU FLOPs.
     work={
-        "forward": (1, 3, 6, False, 0, 0),
-        "dq_dweights": (2, 1, 6, True, 4, 2),
-        "dk": (2, 2, 6, True, 0, 0),
+        "forward": (1, 3, 6, False, 0, 0, 0),
+        "dq_dweights": (2, 1, 6, True, 4, 2, 0),
+        "dk": (2, 2, 6, True, 0, 0, 0),
     },
     # Scoped VMEM to compile each kernel with (None: the chip's default); codegen sized it for v5e, v5p, v6e, 7x.
     vmem_limit_bytes={"forward": None, "dq_dweights": None, "dk": None},
