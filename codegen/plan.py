@@ -335,7 +335,9 @@ def build(variant: Variant) -> VariantPlan:
                 skip=_skip(dk_grid, "i", "j", "q_lo", "q_hi"),
                 # the dlogits select and multiply; with a key scale, once per w tile: the scale broadcast
                 # along D and the row sums of k * dk (dk_scale), each an exact MXU dot with ones
-                work=Work(mxu_passes=1 + grad_passes, vpu_ops=2, useful_passes=2, finish_mxu_per_key=4 * scaled),
+                work=Work(
+                    mxu_passes=1 + grad_passes, vpu_ops=2, useful_passes=2, finish_mxu_per_key=4 * scaled
+                ),
             )
         )
     narrowest = min((policy.qk, policy.weights, policy.out), key=geometry.itemsize)

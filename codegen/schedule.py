@@ -203,7 +203,9 @@ def _delay_slots(lines, branches: list[int], path: str) -> int:
     if not many:  # most regions closed early: the farthest close is a branch's own region
         many = [d for d, count in closes.items() if count]
     if not branches or not many:
-        raise ScheduleError(f"{path}: no branch closes a region within {MAX_DELAY_SLOTS} bundles: no delay-slot count")
+        raise ScheduleError(
+            f"{path}: no branch closes a region within {MAX_DELAY_SLOTS} bundles: no delay-slot count"
+        )
     return max(many)
 
 

@@ -518,7 +518,7 @@ def masked_cotangent_by_k(cfg, logits, g, k):
     type or rounded to it. Only the select is done per (head, query, block) and part; the weights and q
     act on u, summed over the blocks (``dq_dweights_from_u``)."""
     u = [matmul(relu_grad(logits, part, k.dtype), k, cfg.precision) for part in g]
-    return u[0] if len(u) == 1 else u[0] + u[1]
+    return sum(u[1:], u[0])
 
 
 def dq_dweights_from_u(u, q, weights):
@@ -598,7 +598,9 @@ def cost_estimate(grid_axes, grid, blocks, work, x):
         fetches = _geometry.block_fetches(grid, [grid_axes.index(a) for a in follows if a in grid_axes])
         block = [d for d in spec.block_shape if isinstance(d, int)]
         moved += fetches * math.prod(block) * jnp.dtype(array.dtype).itemsize
-    mxu_passes, vpu_ops, mask_ops, mask_per_chunk, finish_vpu_ops, finish_mxu_per_head, finish_mxu_per_key = work
+    mxu_passes, vpu_ops, mask_ops, mask_per_chunk, finish_vpu_ops, finish_mxu_per_head, finish_mxu_per_key = (
+        work
+    )
     entries = x.batch * x.num_heads * x.seq_pad * x.blocks_pad
     masks = x.batch * x.seq_pad * x.blocks_pad * mask_ops * (x.num_chunks if mask_per_chunk else 1)
     finished = x.batch * x.seq_pad * x.num_heads * x.head_dim

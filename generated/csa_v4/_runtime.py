@@ -522,7 +522,7 @@ def masked_cotangent_by_k(cfg, logits, g, k):
     type or rounded to it. Only the select is done per (head, query, block) and part; the weights and q
     act on u, summed over the blocks (``dq_dweights_from_u``)."""
     u = [matmul(relu_grad(logits, part, k.dtype), k, cfg.precision) for part in g]
-    return u[0] if len(u) == 1 else u[0] + u[1]
+    return sum(u[1:], u[0])
 
 
 def dq_dweights_from_u(u, q, weights):
