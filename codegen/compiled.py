@@ -462,6 +462,8 @@ def explain(
                 )
                 if request.program == "topk" and kp is None:  # one call per query chunk
                     report = threshold_report(report, sched, family, path, shape, plan, bounds)
+                if kernel.startswith("sparse_"):  # one call per window of k
+                    report = sparse_report(report, family, path, shape, plan, kernel, top_k)
                 rows.append(Row(*common, True, "", report))
         if request.program == "topk" and res.ok:  # the rest of the selection: XLA's own programs
             chunks = _topk_chunks(family, path, shape, plan)
@@ -530,6 +532,24 @@ def threshold_report(
         cycles += len(spans) * none + (one - none) * int(np.sum(spans[:, 1] - spans[:, 0]))
         cycles += _fill_and_drain(sched)
     return dataclasses.replace(report, steps=blocks, cycles=cycles, call_bytes=report.call_bytes * calls)
+
+
+def sparse_report(report: KernelReport, family: str, path: str, shape, plan: VariantPlan, kernel: str,
+                  top_k: int) -> KernelReport:  # fmt: skip
+    """A sparse kernel over all its calls: one per window of k (all of W in one where it fits VMEM),
+    by the family's own rule (``_runtime.sparse_key_windows``) for the dtype the kernel gathers in."""
+    batch, heads, _, head_dim, width = shape
+    if path and path not in sys.path:
+        sys.path.insert(0, path)
+    module = importlib.import_module(f"{family}.{plan.name}")
+    sparse = module._sparse
+    gather = sparse.SPARSE_GATHER_DTYPE if kernel == "sparse_forward" else sparse.SPARSE_BACKWARD_GATHER_DTYPE
+    q_dtype = module.VARIANT["q_dtype"]
+    copies = sparse._runtime.SPARSE_DK_COPIES if kernel == "sparse_backward" else 1
+    _, calls, _ = sparse._runtime.sparse_key_windows(width, head_dim, heads, top_k, gather, q_dtype, copies)
+    return dataclasses.replace(
+        report, steps=report.steps * calls, cycles=report.cycles * calls, call_bytes=report.call_bytes * calls
+    )
 
 
 def _threshold_groups(family: str, path: str, width: int) -> int:

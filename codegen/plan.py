@@ -371,15 +371,14 @@ def with_vmem_limits(plan: VariantPlan, limits: dict[str, int | None]) -> Varian
 @dataclasses.dataclass(frozen=True)
 class SparseKernelPlan:
     """One sparse pallas_call: the dtype it gathers k rows in, the MXU precision of its [top_k, H, D]
-    matmuls, and its work per query as MXU passes of a [top_k, D] x [D, H] matmul plus the
-    [top_k, H]-sized products (head sums into a row, the outer product g wᵀ)."""
+    matmuls, and its MXU work per query as passes of a [top_k, D] x [D, H] matmul (the [top_k, H]-sized
+    products, head sums into a row and the outer product g wᵀ, run on the VPU)."""
 
     name: str
     semantics: tuple[str, str]  # of the grid (b, i)
     gather_dtype: str
     precision: str  # "matmul" (the variant's MATMUL_PRECISION) or "highest"
     mxu_passes: int
-    row_dots: int
 
 
 def sparse(variant: Variant) -> tuple[SparseKernelPlan, SparseKernelPlan]:
@@ -400,7 +399,7 @@ def sparse(variant: Variant) -> tuple[SparseKernelPlan, SparseKernelPlan]:
         backward_precision = "highest"  # "matmul" is HIGHEST: one name for one kernel
     grad_passes = 1 if backward_type == F32 else 2
     return (
-        SparseKernelPlan("sparse_forward", (PARALLEL, PARALLEL), mxu_type, "matmul", 1, 1),
+        SparseKernelPlan("sparse_forward", (PARALLEL, PARALLEL), mxu_type, "matmul", 1),
         # dk accumulates over q blocks in a block whose index follows b only: i is a reduction.
         SparseKernelPlan(
             "sparse_backward",
@@ -408,6 +407,5 @@ def sparse(variant: Variant) -> tuple[SparseKernelPlan, SparseKernelPlan]:
             backward_type,
             backward_precision,
             1 + 2 * grad_passes,  # the logits again, dq and dk
-            3 if policy.k_scale else 2,  # g wᵀ, dweights, and the unscaled score for dk_scale
         ),
     )

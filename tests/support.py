@@ -197,3 +197,21 @@ def count_primitive(jaxpr, name: str) -> int:
         (eqn.primitive.name == name) + sum(count_primitive(j, name) for j in _sub_jaxprs(eqn))
         for eqn in jaxpr.eqns
     )
+
+
+def sparse_key_windows(monkeypatch, module, shape, top_k, windows):
+    """Shrink the VMEM the sparse kernels of ``module`` (a variant module) plan for, so that they take k
+    of ``shape`` (B, H, S, D, W) in ``windows`` windows, one call each; returns the rows of a window."""
+    from generated.csa_v4 import _geometry, _runtime  # the family's own rule, not a copy of it
+
+    _, heads, _, head_dim, num_blocks = shape
+    rows = _geometry.round_up(-(-num_blocks // windows), _geometry.MIN_SUBLANES)
+    q_dtype, pad = jnp.dtype(module.VARIANT["q_dtype"]), _geometry.sparse_top_k_pad(top_k)
+    gathers = (module._sparse.SPARSE_GATHER_DTYPE, module._sparse.SPARSE_BACKWARD_GATHER_DTYPE)
+    need = max(_geometry.sparse_vmem_bytes(rows, head_dim, heads, pad, dtype, q_dtype) for dtype in gathers)
+    monkeypatch.setattr(_runtime, "SPARSE_VMEM_CAPACITY_BYTES", int(need * _geometry.VMEM_HEADROOM) + 1)
+    for dtype in gathers:  # what each kernel gathers in
+        assert _runtime.sparse_key_windows(num_blocks, head_dim, heads, top_k, dtype, q_dtype)[:2] == (
+            rows, windows,
+        )  # fmt: skip
+    return rows

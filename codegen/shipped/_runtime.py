@@ -1028,6 +1028,7 @@ APPROX_RECALL_TARGET = 0.95  # topk_indices(method="approx"): jax.lax.approx_max
 # VMEM of the sparse kernels' resident route, from the spec's TPU targets: the smallest chip's
 # capacity bounds the W it supports, the smallest default scoped limit decides when to ask for more.
 SPARSE_VMEM_CAPACITY_BYTES = _family.SPARSE_VMEM_CAPACITY_BYTES
+SPARSE_DK_COPIES = _geometry.SPARSE_DK_COPIES  # the backward's most dk accumulators (see there)
 SPARSE_SCOPED_VMEM_DEFAULT_BYTES = _family.SPARSE_SCOPED_VMEM_DEFAULT_BYTES
 
 
@@ -1095,40 +1096,69 @@ def check_indices(indices, batch, seq_len):
     return jnp.asarray(indices, jnp.int32)
 
 
-def sparse_vmem_limit(num_blocks, head_dim, num_heads, top_k_pad, gather_dtype, q_dtype):
-    """The ``vmem_limit_bytes`` of the sparse kernels (None: the default scoped limit is enough).
-
-    Raises ValueError, before anything is traced, when k and the float32 dk accumulator of one batch
-    element do not fit the smallest target's VMEM: the resident route is the only one there is.
-    """
-    need = _geometry.sparse_vmem_bytes(num_blocks, head_dim, num_heads, top_k_pad, gather_dtype, q_dtype)
-    limit = _geometry.vmem_limit(need, SPARSE_SCOPED_VMEM_DEFAULT_BYTES)
-    if limit is not None and limit > SPARSE_VMEM_CAPACITY_BYTES:
-        rows = 1024  # the resident blocks are whole sublane tiles: a per-block cost over many blocks
-        per_block = (
-            _geometry.sparse_vmem_bytes(rows, head_dim, num_heads, 0, gather_dtype, q_dtype)
-            - _geometry.sparse_vmem_bytes(0, head_dim, num_heads, 0, gather_dtype, q_dtype)
-        ) / rows
-        fixed = _geometry.sparse_vmem_bytes(0, head_dim, num_heads, top_k_pad, gather_dtype, q_dtype)
-        most = int((SPARSE_VMEM_CAPACITY_BYTES / _geometry.VMEM_HEADROOM - fixed) // per_block)
+def sparse_vmem_rows(head_dim, num_heads, top_k_pad, gather_dtype, q_dtype, dk_copies=1):
+    """The most k rows (a multiple of the float32 sublane tile) the sparse backward kernel, the larger
+    of the two, keeps resident as float32 rows beside their float32 dk on the smallest target's VMEM
+    (``SPARSE_VMEM_CAPACITY_BYTES``), with the compiler's headroom: ~47000 at H = 64, D = 128,
+    top_k = 1024 with one dk. With one dk, raises ValueError, before anything is traced, when not even
+    one tile of rows fits beside one query block's slots (top_k too large for VMEM); with more, returns
+    0 then."""
+    rows = 1024  # the resident blocks are whole sublane tiles: a per-row cost over many rows
+    size = lambda n, pad: _geometry.sparse_vmem_bytes(
+        n, head_dim, num_heads, pad, gather_dtype, q_dtype, dk_copies
+    )
+    per_row = (size(rows, 0) - size(0, 0)) / rows
+    fixed = size(0, top_k_pad)
+    most = int((SPARSE_VMEM_CAPACITY_BYTES / _geometry.VMEM_HEADROOM - fixed) // per_row)
+    most -= most % _geometry.MIN_SUBLANES
+    if most < _geometry.MIN_SUBLANES and dk_copies > 1:
+        return 0  # no room for more accumulators: see sparse_key_windows
+    if most < _geometry.MIN_SUBLANES:
         raise ValueError(
-            f"sparse_score keeps k and a float32 dk of all W={num_blocks} blocks resident in VMEM (as float32): "
-            f"{need / (1 << 20):.1f} MiB ({limit >> 20} MiB with headroom) at D={head_dim}, H={num_heads}, "
-            f"top_k={top_k_pad}, more than the {SPARSE_VMEM_CAPACITY_BYTES >> 20} MiB of the smallest target; "
-            f"it supports W <= {most} here. Split the keys (context parallelism) or use score"
+            f"sparse_score gathers each query's top_k={top_k_pad} rows into VMEM: with D={head_dim}, "
+            f"H={num_heads} that leaves no room for k in the {SPARSE_VMEM_CAPACITY_BYTES >> 20} MiB of the "
+            "smallest target; use a smaller top_k"
         )
-    return limit
+    return most
+
+
+def sparse_key_windows(num_blocks, head_dim, num_heads, top_k, gather_dtype, q_dtype, most_dk_copies=1):
+    """(rows per window, windows, dk accumulators) of k for a sparse kernel gathering in ``gather_dtype``:
+    as few windows as one accumulator allows, then as many accumulators, up to ``most_dk_copies`` (a
+    power of two; 1 for the forward, which has no dk), as keep that many. Each kernel runs once per
+    window (``over_key_windows``), so this is also its calls (what ``codegen explain --compiled``
+    multiplies a call's cost by)."""
+    top_k_pad = _geometry.sparse_top_k_pad(top_k)
+    rows = lambda copies: sparse_vmem_rows(head_dim, num_heads, top_k_pad, gather_dtype, q_dtype, copies)
+    window_rows, windows = _geometry.sparse_windows(num_blocks, rows(1))
+    keeps_windows = lambda n: rows(n) > 0 and _geometry.sparse_windows(num_blocks, rows(n))[1] == windows
+    copies = most_dk_copies
+    while copies > 1 and not keeps_windows(copies):
+        copies //= 2
+    return window_rows, windows, copies
+
+
+def sparse_vmem_limit(window_rows, head_dim, num_heads, top_k_pad, gather_dtype, q_dtype, dk_copies):
+    """The ``vmem_limit_bytes`` of the sparse kernels over a window of ``window_rows`` k rows and
+    ``dk_copies`` dk accumulators (None: the default scoped limit is enough)."""
+    need = _geometry.sparse_vmem_bytes(
+        window_rows, head_dim, num_heads, top_k_pad, gather_dtype, q_dtype, dk_copies
+    )
+    return _geometry.vmem_limit(need, SPARSE_SCOPED_VMEM_DEFAULT_BYTES)
 
 
 class SparseOperands(NamedTuple):
     """Kernel-ready operands of the sparse kernels: queries padded to whole q blocks of
-    ``_geometry.SPARSE_BLOCK_Q``, slots to ``top_k_pad``."""
+    ``_geometry.SPARSE_BLOCK_Q``, slots to ``top_k_pad``, k cut into windows that fit VMEM."""
 
     q: jax.Array  # [B, S_pad, H, D] (head-major q is transposed: a copy of q, nothing of W)
-    k: jax.Array  # [B, W, D] float32 (16- and 8-bit k upcast: exact): one block per batch element, resident
+    # One window: [B, W, D] float32 (16- and 8-bit k upcast: exact), one block per batch element,
+    # resident. Several: [B, windows * window_rows, D] in k's own dtype, each window upcast as it is used.
+    k: jax.Array
     weights: jax.Array  # [B, S_pad, H] float32
     rows: jax.Array  # [B, S_pad, top_k_pad] int32: the block each slot gathers; 0 for an empty slot
-    valid: jax.Array  # [B, S, top_k] bool: the slot's index lies in [0, W)
+    in_range: jax.Array  # [B, S_pad, top_k_pad] bool: the slot's index lies in [0, W)
+    valid: jax.Array  # [B, S, top_k] bool: the same, unpadded
     slot_scale: jax.Array | None  # [B, S, top_k] float32: k_scale of each slot's block (float8 variants)
     batch: int
     num_heads: int
@@ -1138,21 +1168,25 @@ class SparseOperands(NamedTuple):
     top_k: int
     seq_pad: int
     top_k_pad: int
+    window_rows: int  # k rows resident in VMEM per call: W when they all fit
+    num_windows: int  # calls of each kernel, one a window of k
+    dk_copies: int  # the backward's float32 dk accumulators (1 for the forward)
     vmem_limit_bytes: int | None
 
     @property
     def num_q_blocks(self):
         return self.seq_pad // _geometry.SPARSE_BLOCK_Q
 
-    @property
-    def rows_flat(self):
-        """``rows`` as ``[B, S_pad * top_k_pad]``: a q block's indices one flat SMEM block, whose
-        addresses are a base plus the slot (a 2-D SMEM block costs address arithmetic per slot)."""
-        return self.rows.reshape(self.batch, -1)
+
+def flat_rows(rows):
+    """``rows`` ``[B, S_pad, top_k_pad]`` as ``[B, S_pad * top_k_pad]``: a q block's indices one flat SMEM
+    block, whose addresses are a base plus the slot (a 2-D SMEM block costs address arithmetic per slot)."""
+    return rows.reshape(rows.shape[0], -1)
 
 
-def sparse_prepare(variant, q, k, weights, indices, k_scale, gather_dtype):
-    """The ``SparseOperands`` of a checked call (see a variant's ``sparse_score``)."""
+def sparse_prepare(variant, q, k, weights, indices, k_scale, gather_dtype, most_dk_copies=1):
+    """The ``SparseOperands`` of a checked call (see a variant's ``sparse_score``), for a kernel
+    gathering in ``gather_dtype`` with up to ``most_dk_copies`` dk accumulators."""
     # An input upcast to float32 (for a float32 sum of its gradient over mesh axes: see vary_together)
     # goes back to the variant's dtype, exactly; otherwise these do nothing.
     q, k = q.astype(variant["q_dtype"]), k.astype(variant["k_dtype"])
@@ -1160,7 +1194,12 @@ def sparse_prepare(variant, q, k, weights, indices, k_scale, gather_dtype):
     num_blocks, top_k = k.shape[1], indices.shape[2]
     seq_pad = _geometry.round_up(seq_len, _geometry.SPARSE_BLOCK_Q)
     top_k_pad = _geometry.sparse_top_k_pad(top_k)
-    vmem_limit = sparse_vmem_limit(num_blocks, head_dim, num_heads, top_k_pad, gather_dtype, q.dtype)
+    window_rows, num_windows, dk_copies = sparse_key_windows(
+        num_blocks, head_dim, num_heads, top_k, gather_dtype, q.dtype, most_dk_copies
+    )
+    vmem_limit = sparse_vmem_limit(
+        window_rows, head_dim, num_heads, top_k_pad, gather_dtype, q.dtype, dk_copies
+    )
     if variant["q_layout"] == "head_major":
         q = jnp.swapaxes(q, 1, 2)  # [B, S, H, D]: one query's heads are one [H, D] block
     valid = (indices >= 0) & (indices < num_blocks)
@@ -1168,11 +1207,38 @@ def sparse_prepare(variant, q, k, weights, indices, k_scale, gather_dtype):
     slot_scale = None
     if k_scale is not None:
         slot_scale = jnp.take_along_axis(k_scale, rows.reshape(batch, -1), axis=1).reshape(rows.shape)
+    pad_slots = lambda a: pad_to(pad_to(a, 2, top_k_pad), 1, seq_pad)
+    k = k.astype(ACCUM_DTYPE) if num_windows == 1 else pad_to(k, 1, num_windows * window_rows)
     return SparseOperands(
-        pad_to(q, 1, seq_pad), k.astype(ACCUM_DTYPE), pad_to(weights.astype(ACCUM_DTYPE), 1, seq_pad),
-        pad_to(pad_to(rows, 2, top_k_pad), 1, seq_pad), valid, slot_scale,
-        batch, num_heads, seq_len, num_blocks, head_dim, top_k, seq_pad, top_k_pad, vmem_limit,
+        pad_to(q, 1, seq_pad), k, pad_to(weights.astype(ACCUM_DTYPE), 1, seq_pad),
+        pad_slots(rows), pad_slots(valid), valid, slot_scale,
+        batch, num_heads, seq_len, num_blocks, head_dim, top_k, seq_pad, top_k_pad, window_rows, num_windows,
+        dk_copies, vmem_limit,
     )  # fmt: skip
+
+
+def over_key_windows(x, call):
+    """``call(done, k, rows, in_window, start)`` once per window of k (``SparseOperands``), returning what
+    the last returns: ``k`` the window's float32 rows from block ``start`` on, ``rows`` the slots' rows
+    within it (0 outside it), ``in_window`` which slots it holds, ``done`` what the call before returned.
+
+    One window (W fits VMEM): a single call with the whole resident k, ``done`` and ``in_window`` None.
+    Several: the first window's call, then a ``lax.scan`` over the rest, whose carry is what a call
+    returns (so it varies over a mesh's manual axes as the kernels' outputs do). A slot lies in one
+    window: ``call`` keeps the results of its slots in the window and adds what sums over slots.
+    """
+    if x.num_windows == 1:
+        return call(None, x.k, x.rows, None, 0)
+
+    def window(done, index):
+        start = index * x.window_rows
+        k = jax.lax.dynamic_slice_in_dim(x.k, start, x.window_rows, axis=1).astype(ACCUM_DTYPE)
+        in_window = x.in_range & (x.rows >= start) & (x.rows < start + x.window_rows)
+        return call(done, k, jnp.where(in_window, x.rows - start, 0), in_window, start)
+
+    first = window(None, 0)
+    done, _ = jax.lax.scan(lambda d, i: (window(d, i), None), first, jnp.arange(1, x.num_windows))
+    return done
 
 
 def slot_rows(x, seq_pad, top_k_pad):
@@ -1186,20 +1252,21 @@ def sparse_block_specs(x):
 
     The indices of one q block come in SMEM through the pipeline (``_geometry.SPARSE_BLOCK_Q * top_k_pad``
     words, flat, double-buffered: 64 KiB at top_k = 1024; an SMEM-space BlockSpec, which lowers for
-    TPU), never the whole [B, S, top_k] array as scalar prefetch, which does not fit SMEM's 1 MiB. k's
-    float32 rows and the float32 dk accumulator are one block per batch element, fetched (written) once
-    per b and single-buffered: a second buffer would hold the next batch element's, for a prefetch at
-    most once per b, at the cost of half the W that fits; everything else is one q block's.
+    TPU), never the whole [B, S, top_k] array as scalar prefetch, which does not fit SMEM's 1 MiB. The
+    call's window of k's float32 rows and its float32 dk accumulator are one block per batch element,
+    fetched (written) once per b and single-buffered: a second buffer would hold the next batch
+    element's, for a prefetch at most once per b, at the cost of half the rows that fit; everything
+    else is one q block's.
     """
     qb = _geometry.SPARSE_BLOCK_Q
     return dict(
         rows=pl.BlockSpec((None, qb * x.top_k_pad), lambda b, i: (b, i), memory_space=pltpu.SMEM),
         q=pl.BlockSpec((None, qb, x.num_heads, x.head_dim), lambda b, i: (b, i, 0, 0)),
         k=pl.BlockSpec(
-            (None, x.num_blocks, x.head_dim), lambda b, i: (b, 0, 0), pipeline_mode=pl.Buffered(1)
+            (None, x.window_rows, x.head_dim), lambda b, i: (b, 0, 0), pipeline_mode=pl.Buffered(1)
         ),
         dk=pl.BlockSpec(
-            (None, x.num_blocks, x.head_dim), lambda b, i: (b, 0, 0), pipeline_mode=pl.Buffered(1)
+            (None, x.window_rows, x.head_dim), lambda b, i: (b, 0, 0), pipeline_mode=pl.Buffered(1)
         ),
         weights=pl.BlockSpec((None, qb, x.num_heads), lambda b, i: (b, i, 0)),
         slots=pl.BlockSpec((None, qb, x.top_k_pad), lambda b, i: (b, i, 0)),
@@ -1207,15 +1274,16 @@ def sparse_block_specs(x):
 
 
 def for_each_slot(rows_ref, s, slots, unroll, visit):
-    """``visit(j, row)`` for every slot j < ``slots`` of query ``s`` of the q block, in order, ``row`` its
-    index from the flat SMEM block ``rows_ref``: ``unroll`` slots a loop trip, statically unrolled so
-    the compiler overlaps their index loads and addresses (``slots`` a multiple of it)."""
+    """``visit(j, row, t)`` for every slot j < ``slots`` of query ``s`` of the q block, in order, ``row``
+    its index from the flat SMEM block ``rows_ref``, ``t`` its place in its loop trip (static):
+    ``unroll`` slots a trip, statically unrolled so the compiler overlaps their index loads and
+    addresses (``slots`` a multiple of it)."""
     base = s * slots
 
     def body(c, carry):
         j = pl.multiple_of(c * unroll, unroll)
         for t in range(unroll):
-            visit(j + t, rows_ref[base + j + t])
+            visit(j + t, rows_ref[base + j + t], t)
         return carry
 
     jax.lax.fori_loop(0, slots // unroll, body, 0)
@@ -1226,19 +1294,21 @@ def gather_rows(rows_ref, k_ref, gathered_ref, s):
     dynamic single-row read and one single-row store per slot (a 32-bit row at any dynamic row lowers;
     a vector gather does not), ``_geometry.SPARSE_GATHER_UNROLL`` slots a loop trip."""
 
-    def visit(j, row):
+    def visit(j, row, _):
         gathered_ref[pl.ds(j, 1), :] = k_ref[pl.ds(row, 1), :]
 
     for_each_slot(rows_ref, s, gathered_ref.shape[0], _geometry.SPARSE_GATHER_UNROLL, visit)
 
 
-def scatter_add_rows(rows_ref, dk_ref, dk_gathered_ref, s):
-    """dk row ``rows[s, j]`` += row j of ``dk_gathered_ref``, slot by slot, in order: duplicates add up;
-    an empty slot's row is zero (its cotangent is) and adds nothing. A dynamic single-row
-    read-modify-write of float32 VMEM per slot, ``_geometry.SPARSE_SCATTER_UNROLL`` a loop trip: a
-    row's load still waits on an earlier store to the same row, which the compiler orders."""
+def scatter_add_rows(rows_ref, dk_refs, dk_gathered_ref, s):
+    """dk row ``rows[s, j]`` += row j of ``dk_gathered_ref``, slot by slot, into the accumulators
+    ``dk_refs`` in turn (their sum is dk): duplicates add up; an empty slot's row is zero (its
+    cotangent is) and adds nothing. A dynamic single-row read-modify-write of float32 VMEM per slot,
+    ``_geometry.SPARSE_SCATTER_UNROLL`` a loop trip: a row's load waits on the earlier stores to its
+    accumulator, which the compiler orders; the accumulators' chains overlap."""
 
-    def visit(j, row):
+    def visit(j, row, t):
+        dk_ref = dk_refs[t % len(dk_refs)]
         dk_ref[pl.ds(row, 1), :] += dk_gathered_ref[pl.ds(j, 1), :]
 
     for_each_slot(rows_ref, s, dk_gathered_ref.shape[0], _geometry.SPARSE_SCATTER_UNROLL, visit)
@@ -1300,9 +1370,9 @@ def differentiable_sparse_score(variant, forward, backward, gather_dtypes):
         _, _, k_scale, softmax_scale = check_call(variant, q, k, weights, None, None, k_scale, softmax_scale)
         batch, _, seq_len, _ = q_dims(q, variant["q_layout"])
         indices = check_indices(indices, batch, seq_len)
-        for dtype in gather_dtypes:  # raises ValueError naming W when k and dk do not fit VMEM
+        for dtype in gather_dtypes:  # raises ValueError when a query's gathered rows leave no room for k
             pad = _geometry.sparse_top_k_pad(indices.shape[2])
-            sparse_vmem_limit(k.shape[1], k.shape[2], q_dims(q, variant["q_layout"])[1], pad, dtype, q.dtype)
+            sparse_vmem_rows(k.shape[2], q_dims(q, variant["q_layout"])[1], pad, dtype, q.dtype)
         # Inside jax.shard_map, as for score: every input varies over the axes any of them does, and the
         # gradient of one replicated over some (k over a sequence axis) is summed there, in float32.
         q, k, weights, indices, k_scale = vary_together(
@@ -1401,7 +1471,6 @@ def slots_shape(x):
     return (x.batch, x.seq_pad, x.top_k_pad)
 
 
-def sparse_flops(x, passes, row_dots):
-    """MXU FLOPs of a sparse kernel: per query ``passes`` [top_k_pad, D] x [D, H] matmuls and ``row_dots``
-    [top_k_pad, H]-sized ones contracting a single row or column (head sums, the outer product g wᵀ)."""
-    return 2 * x.batch * x.seq_pad * x.top_k_pad * x.num_heads * (passes * x.head_dim + row_dots)
+def sparse_flops(x, passes):
+    """MXU FLOPs of a sparse kernel: per query ``passes`` [top_k_pad, D] x [D, H] matmuls."""
+    return 2 * x.batch * x.seq_pad * x.top_k_pad * x.num_heads * passes * x.head_dim

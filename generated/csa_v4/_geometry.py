@@ -122,7 +122,13 @@ SPARSE_BLOCK_Q = 8  # queries per grid step of the sparse kernels
 # schedule: ~2 bundles a float32 row, against ~8 for the aligned 16-row group reads of bfloat16 k
 # that resident float32 rows replace). top_k is padded to whole trips.
 SPARSE_GATHER_UNROLL = 16
-SPARSE_SCATTER_UNROLL = 8  # dk rows added per trip (a row's load still waits on the stores before it)
+# dk rows added per trip, in turn into SPARSE_DK_COPIES float32 dk accumulators: a row's load waits
+# on the stores to its accumulator before it (the compiler cannot tell two dynamic rows apart), so one
+# accumulator chains every slot (~5 bundles a slot by the TPU compiler's schedule) and four overlap
+# four chains (~2.6), at the cost of three more dk's of VMEM: taken where they leave the windows of k
+# as few as one accumulator does (``_runtime.sparse_key_windows``).
+SPARSE_SCATTER_UNROLL = 16
+SPARSE_DK_COPIES = 4
 
 
 def sparse_top_k_pad(top_k):
@@ -130,14 +136,24 @@ def sparse_top_k_pad(top_k):
     return round_up(top_k, SPARSE_GATHER_UNROLL)
 
 
-def sparse_vmem_bytes(num_blocks, head_dim, num_heads, top_k_pad, gather_dtype, q_dtype):
+def sparse_windows(num_blocks, most_rows):
+    """(rows per window, windows) of k when at most ``most_rows`` rows fit VMEM: all W in one window
+    when they fit (today's resident route, unchanged), else as few windows as that allows, of equal
+    whole sublane tiles of float32 rows (the last one padded with rows no slot selects)."""
+    if num_blocks <= most_rows:
+        return num_blocks, 1
+    windows = -(-num_blocks // most_rows)
+    return round_up(-(-num_blocks // windows), SUBLANES_BY_ITEMSIZE[4]), windows
+
+
+def sparse_vmem_bytes(num_blocks, head_dim, num_heads, top_k_pad, gather_dtype, q_dtype, dk_copies=1):
     """VMEM the sparse backward kernel (the larger of the two) holds: k of one batch element as float32
-    rows and its float32 dk accumulator resident (one buffer each: their block changes only with the
-    batch element), the gathered float32 rows, their copy in ``gather_dtype`` and their float32 dk,
-    the query blocks, and the in-flight [top_k, H] float32 tiles. k's own dtype does not matter: it is
-    resident as float32 whatever it arrives as."""
+    rows and its ``dk_copies`` float32 dk accumulators resident (one buffer each: their block changes
+    only with the batch element), the gathered float32 rows, their copy in ``gather_dtype`` and their
+    float32 dk, the query blocks, and the in-flight [top_k, H] float32 tiles. k's own dtype does not
+    matter: it is resident as float32 whatever it arrives as."""
     lanes = lambda n: round_up(n, LANES)
-    resident = 2 * round_up(num_blocks, SUBLANES_BY_ITEMSIZE[4]) * lanes(head_dim) * 4
+    resident = (1 + dk_copies) * round_up(num_blocks, SUBLANES_BY_ITEMSIZE[4]) * lanes(head_dim) * 4
     gathered = top_k_pad * lanes(head_dim) * (4 + itemsize(gather_dtype) + 4)
     queries = 2 * SPARSE_BLOCK_Q * num_heads * lanes(head_dim) * (itemsize(q_dtype) + 4)
     slots = 2 * 3 * SPARSE_BLOCK_Q * lanes(top_k_pad) * 4 + 2 * 2 * SPARSE_BLOCK_Q * lanes(num_heads) * 4

@@ -11,9 +11,10 @@ rows, a single-row read and store each, into scratch and contracts all heads at 
 each slot's dk row into a resident float32 dk. Indices come in per q block through SMEM; a
 query's slots are a lane-dense row of the score and cotangent, reached by [1, H] x [H, top_k] head
 sums at HIGHEST.
-k's rows and the float32 dk of one batch element must fit the smallest target's VMEM
-(_runtime.SPARSE_VMEM_CAPACITY_BYTES): W up to ~47000 keys at H = 64, top_k = 1024; beyond it, a
-ValueError naming W and the limit is raised before anything is traced.
+Where k's rows and their float32 dk do not fit the smallest target's VMEM
+(_runtime.SPARSE_VMEM_CAPACITY_BYTES: ~47000 keys at H = 64, D = 128, top_k = 1024), each kernel is
+called once per window of k that does (``_runtime.over_key_windows``), each call seeing only its
+window's slots: W is bounded by HBM, and each window costs a call.
 """
 
 import functools
@@ -34,10 +35,8 @@ SPARSE_BACKWARD_PRECISION = MATMUL_PRECISION
 # MXU passes of a [top_k, H, D] matmul per kernel: the forward's logits; the backward's logits, dq and
 # dk, each of the last two split into a bfloat16 head and tail (float32 accuracy, as the fused backward).
 SPARSE_WORK = {"forward": 1, "backward": 5}
-# [top_k, H]-sized products per query: the forward's head sum; the backward's g wᵀ and dweights,
-# and the unscaled score (d score / d k_scale).
-SPARSE_ROW_DOTS = {"forward": 1, "backward": 3}
-ROW_PRECISION = jax.lax.Precision.HIGHEST  # float32 operands: the products keep float32 accuracy
+# The [H, top_k]-sized products (head sums into a row, g wᵀ, dweights, the unscaled score) run on the
+# VPU in float32: a row or a column against the MXU costs a full push of the [H, top_k] tile.
 
 
 def _sparse_query(q_ref, s, dtype):
@@ -45,133 +44,163 @@ def _sparse_query(q_ref, s, dtype):
     return q_ref[s].astype(dtype)
 
 
-def _sparse_logits(gathered, q_s, precision):
-    """gathered [top_k, D] . q_s [H, D]^T in float32: every head's logits of one query's selected blocks."""
+def _sparse_logits(q_s, gathered, precision):
+    """q_s [H, D] . gathered [top_k, D]^T in float32: every head's logits of one query's selected blocks,
+    heads on sublanes and slots on lanes, [H, top_k]: lane-dense (H = 64 as lanes would fill half of
+    each vreg, twice the vregs for every elementwise step after it)."""
     return jax.lax.dot_general(
-        gathered,
         q_s,
+        gathered,
         _runtime.CONTRACT_LAST,
         precision=precision,
         preferred_element_type=_runtime.ACCUM_DTYPE,
     )
 
 
-def _head_sum(weights, activated):
-    """sum_h weights[0, h] * activated[:, h] as a lane-dense row: [1, H] . [top_k, H]^T -> [1, top_k]."""
-    return jax.lax.dot_general(
-        weights,
-        activated,
-        _runtime.CONTRACT_LAST,
-        precision=ROW_PRECISION,
-        preferred_element_type=jnp.float32,
-    )
+def _head_sum(weights_column, activated):
+    """sum_h weights[h] * activated[h, :] as a lane-dense row, in float32 on the VPU: [H, 1] x [H, top_k]
+    -> [1, top_k]."""
+    return jnp.sum(activated * weights_column, axis=0, keepdims=True)
+
+
+def _weights_columns(weights_ref):
+    """The q block's weights [SPARSE_BLOCK_Q, H] as columns [H, SPARSE_BLOCK_Q] (one transpose a step):
+    a query's column broadcasts along the slots' lanes, a row would need a lane permute per head."""
+    return weights_ref[...].T
 
 
 def _sparse_forward_kernel(rows_ref, q_ref, k_ref, weights_ref, out_ref, gathered_ref, *, softmax_scale):
     """Scores of SPARSE_BLOCK_Q queries, a row each: softmax_scale * sum_h weights_h * relu(logits)."""
+    weights = _weights_columns(weights_ref)
     for s in range(_runtime.SPARSE_BLOCK_Q):
         _runtime.gather_rows(rows_ref, k_ref, gathered_ref, s)
         gathered = gathered_ref[...].astype(SPARSE_GATHER_DTYPE)
-        logits = _sparse_logits(gathered, _sparse_query(q_ref, s, SPARSE_GATHER_DTYPE), MATMUL_PRECISION)
-        weights = weights_ref[s : s + 1, :]  # [1, H]
-        out_ref[s : s + 1, :] = softmax_scale * _head_sum(weights, jnp.maximum(logits, 0.0))
+        logits = _sparse_logits(_sparse_query(q_ref, s, SPARSE_GATHER_DTYPE), gathered, MATMUL_PRECISION)
+        out_ref[s : s + 1, :] = softmax_scale * _head_sum(weights[:, s : s + 1], jnp.maximum(logits, 0.0))
 
 
 def _sparse_backward_kernel(
     rows_ref, q_ref, k_ref, weights_ref, g_ref,  # inputs
     dq_ref, dweights_ref, dk_ref, unscaled_ref,  # outputs
-    gathered_ref, dk_gathered_ref,  # scratch
-    *, softmax_scale,
+    gathered_ref, dk_gathered_ref, *more_dk_refs,  # scratch
+    softmax_scale,
 ):  # fmt: skip
-    """dq and dweights of SPARSE_BLOCK_Q queries; their dk rows added into the resident float32 dk
-    block, which is the output itself: its index follows b only, the q-block axis is "arbitrary"."""
+    """dq and dweights of SPARSE_BLOCK_Q queries; their dk rows added into resident float32 dk
+    accumulators: the output itself (its index follows b only, the q-block axis is "arbitrary") and
+    ``more_dk_refs``, which take their turn of the slots (``_runtime.scatter_add_rows``) and are added
+    into it at the last q block."""
 
     @pl.when(pl.program_id(1) == 0)
     def _zero():
-        dk_ref[...] = jnp.zeros_like(dk_ref)
+        for ref in (dk_ref, *more_dk_refs):
+            ref[...] = jnp.zeros_like(ref)
 
+    weights = _weights_columns(weights_ref)
+    dweights = []  # [H, 1] a query
     for s in range(_runtime.SPARSE_BLOCK_Q):
         _runtime.gather_rows(rows_ref, k_ref, gathered_ref, s)
         gathered = gathered_ref[...].astype(SPARSE_BACKWARD_GATHER_DTYPE)
         q_s = _sparse_query(q_ref, s, gathered.dtype)
-        logits = _sparse_logits(gathered, q_s, SPARSE_BACKWARD_PRECISION)  # [top_k, H]
+        logits = _sparse_logits(q_s, gathered, SPARSE_BACKWARD_PRECISION)  # [H, top_k]
         g = g_ref[s : s + 1, :]  # [1, top_k]: zero at empty slots, times each slot's k_scale
-        weights = weights_ref[s : s + 1, :]  # [1, H]
         activated = jnp.maximum(logits, 0.0)
-        dweights_ref[s : s + 1, :] = softmax_scale * jax.lax.dot_general(
-            g, activated, _runtime.CONTRACT_INNER, precision=ROW_PRECISION, preferred_element_type=jnp.float32
-        )  # [1, H]
+        dweights.append(jnp.sum(activated * g, axis=1, keepdims=True))
         # d score / d k_scale of each slot, up to the cotangent: the score before the scale.
-        unscaled_ref[s : s + 1, :] = softmax_scale * _head_sum(weights, activated)
-        # g_j * weights_h as the outer product g wᵀ (a one-deep MXU product): [top_k, H].
-        g_weights = jax.lax.dot_general(
-            g, weights, _runtime.CONTRACT_FIRST, precision=ROW_PRECISION, preferred_element_type=jnp.float32
-        )
+        unscaled_ref[s : s + 1, :] = softmax_scale * _head_sum(weights[:, s : s + 1], activated)
+        g_weights = weights[:, s : s + 1] * g  # [H, top_k]: g_j * weights_h
         dlogits = jnp.where(logits > 0.0, g_weights, 0.0)  # relu' = 1[logit > 0]
-        dq = _runtime.sparse_matmul(dlogits, gathered, _runtime.CONTRACT_FIRST, SPARSE_BACKWARD_PRECISION)
+        dq = _runtime.sparse_matmul(dlogits, gathered, _runtime.CONTRACT_INNER, SPARSE_BACKWARD_PRECISION)
         # [H, D] in dq's own dtype: no float32 copy of q in HBM.
         dq_ref[s] = (softmax_scale * dq).astype(dq_ref.dtype)
         dk_gathered_ref[...] = _runtime.sparse_matmul(
-            dlogits, q_s, _runtime.CONTRACT_INNER, SPARSE_BACKWARD_PRECISION
+            dlogits, q_s, _runtime.CONTRACT_FIRST, SPARSE_BACKWARD_PRECISION
         )
-        _runtime.scatter_add_rows(rows_ref, dk_ref, dk_gathered_ref, s)
+        _runtime.scatter_add_rows(rows_ref, (dk_ref, *more_dk_refs), dk_gathered_ref, s)
+    dweights_ref[...] = softmax_scale * jnp.concatenate(dweights, axis=1).T  # [SPARSE_BLOCK_Q, H]
+
+    @pl.when(pl.program_id(1) == pl.num_programs(1) - 1)
+    def _fold():
+        for ref in more_dk_refs:
+            dk_ref[...] += ref[...]
 
 
 def forward(variant, q, k, weights, indices, k_scale, softmax_scale, interpret):
-    """The sparse score of ``variant`` in its output dtype: one pallas_call, then the empty slots masked."""
+    """The sparse score of ``variant`` in its output dtype: one pallas_call a window of k (one, where W
+    fits VMEM), then the empty slots masked."""
     x = _runtime.sparse_prepare(variant, q, k, weights, indices, k_scale, SPARSE_GATHER_DTYPE)
-    (out,) = _runtime.sparse_call(
-        functools.partial(_sparse_forward_kernel, softmax_scale=softmax_scale),
-        x,
-        inputs={
-            "rows": ("rows", x.rows_flat),
-            "q": ("q", x.q),
-            "k": ("k", x.k),
-            "weights": ("weights", x.weights),
-        },
-        outputs={"out": ("slots", (_runtime.slots_shape(x), jnp.float32))},
-        scratch=[pltpu.VMEM((x.top_k_pad, x.head_dim), jnp.float32)],
-        semantics=("parallel", "parallel"),
-        work=_runtime.sparse_flops(x, SPARSE_WORK["forward"], SPARSE_ROW_DOTS["forward"]),
-        name=f"{variant['name']}_sparse_forward",
-        interpret=interpret,
-    )
-    out = _runtime.crop_to(out, (x.batch, x.seq_len, x.top_k))
+
+    def window(done, k_window, rows, in_window, start):
+        (out,) = _runtime.sparse_call(
+            functools.partial(_sparse_forward_kernel, softmax_scale=softmax_scale),
+            x,
+            inputs={
+                "rows": ("rows", _runtime.flat_rows(rows)), "q": ("q", x.q), "k": ("k", k_window),
+                "weights": ("weights", x.weights),
+            },
+            outputs={"out": ("slots", (_runtime.slots_shape(x), jnp.float32))},
+            scratch=[pltpu.VMEM((x.top_k_pad, x.head_dim), jnp.float32)],
+            semantics=("parallel", "parallel"),
+            work=_runtime.sparse_flops(x, SPARSE_WORK["forward"]),
+            name=f"{variant['name']}_sparse_forward",
+            interpret=interpret,
+        )  # fmt: skip
+        return out if done is None else jnp.where(in_window, out, done)  # each slot from its own window
+
+    out = _runtime.crop_to(_runtime.over_key_windows(x, window), (x.batch, x.seq_len, x.top_k))
     out = out * x.slot_scale  # relu(q.k * s) = relu(q.k) * s for s > 0
     return jnp.where(x.valid, out, _runtime.MASKED_VALUE).astype(variant["out_dtype"])
 
 
 def backward(variant, softmax_scale, interpret, q, k, weights, indices, k_scale, g):
-    """dq, dk, dweights, dk_scale from one pallas_call; dk never exists per slot in HBM."""
-    x = _runtime.sparse_prepare(variant, q, k, weights, indices, k_scale, SPARSE_BACKWARD_GATHER_DTYPE)
+    """dq, dk, dweights, dk_scale from one pallas_call a window of k; dk never exists per slot in HBM."""
+    x = _runtime.sparse_prepare(
+        variant, q, k, weights, indices, k_scale, SPARSE_BACKWARD_GATHER_DTYPE, _runtime.SPARSE_DK_COPIES
+    )
     g = jnp.where(x.valid, g.astype(jnp.float32), 0.0)  # empty slots get no gradient, whatever g holds there
+    g_slots = _runtime.slot_rows(g * x.slot_scale, x.seq_pad, x.top_k_pad)
     dq_dtype = _runtime.grad_dtype(q, jnp.dtype(variant["qk_grad_dtype"]))  # float32 where q arrived upcast
     dk_dtype = _runtime.grad_dtype(k, jnp.dtype(variant["qk_grad_dtype"]))
-    results = _runtime.sparse_call(
-        functools.partial(_sparse_backward_kernel, softmax_scale=softmax_scale),
-        x,
-        inputs={
-            "rows": ("rows", x.rows_flat), "q": ("q", x.q), "k": ("k", x.k), "weights": ("weights", x.weights),
-            "g": ("slots", _runtime.slot_rows(g * x.slot_scale, x.seq_pad, x.top_k_pad)),
-        },
-        outputs={
-            "dq": ("q", (x.q.shape, dq_dtype)),
-            "dweights": ("weights", (x.weights.shape, jnp.float32)),
-            "dk": ("dk", ((x.batch, x.num_blocks, x.head_dim), jnp.float32)),
-            "unscaled": ("slots", (_runtime.slots_shape(x), jnp.float32)),
-        },
-        scratch=[pltpu.VMEM((x.top_k_pad, x.head_dim), jnp.float32), pltpu.VMEM((x.top_k_pad, x.head_dim), jnp.float32)],
-        semantics=("parallel", "arbitrary"),
-        work=_runtime.sparse_flops(x, SPARSE_WORK["backward"], SPARSE_ROW_DOTS["backward"]),
-        name=f"{variant['name']}_sparse_backward",
-        interpret=interpret,
-    )  # fmt: skip
+    # One window writes dq in its own dtype; several add theirs in float32, then round once.
+    window_dq_dtype = dq_dtype if x.num_windows == 1 else jnp.float32
+
+    def window(done, k_window, rows, in_window, start):
+        results = _runtime.sparse_call(
+            functools.partial(_sparse_backward_kernel, softmax_scale=softmax_scale),
+            x,
+            inputs={
+                "rows": ("rows", _runtime.flat_rows(rows)), "q": ("q", x.q), "k": ("k", k_window),
+                "weights": ("weights", x.weights),
+                "g": ("slots", g_slots if in_window is None else jnp.where(in_window, g_slots, 0.0)),
+            },
+            outputs={
+                "dq": ("q", (x.q.shape, window_dq_dtype)),
+                "dweights": ("weights", (x.weights.shape, jnp.float32)),
+                "dk": ("dk", ((x.batch, x.window_rows, x.head_dim), jnp.float32)),
+                "unscaled": ("slots", (_runtime.slots_shape(x), jnp.float32)),
+            },
+            scratch=[
+                pltpu.VMEM((x.top_k_pad, x.head_dim), jnp.float32),  # the gathered rows
+                pltpu.VMEM((x.top_k_pad, x.head_dim), jnp.float32),  # their dk rows
+                *[pltpu.VMEM((x.window_rows, x.head_dim), jnp.float32)] * (x.dk_copies - 1),  # more dk
+            ],
+            semantics=("parallel", "arbitrary"),
+            work=_runtime.sparse_flops(x, SPARSE_WORK["backward"]),
+            name=f"{variant['name']}_sparse_backward",
+            interpret=interpret,
+        )  # fmt: skip
+        if done is None:  # the first window: its dk in place in the float32 dk of every window
+            return (results[0], results[1], _runtime.pad_to(results[2], 1, x.k.shape[1]), *results[3:])
+        dq, dweights, dk = done[0] + results[0], done[1] + results[1], done[2]
+        dk = jax.lax.dynamic_update_slice_in_dim(dk, results[2], start, axis=1)
+        return dq, dweights, dk, jnp.where(in_window, results[3], done[3])
+
+    results = _runtime.over_key_windows(x, window)
     dq, dweights, dk = results[:3]
-    dq = _runtime.crop_to(dq, (x.batch, x.seq_len, x.num_heads, x.head_dim))
+    dq = _runtime.crop_to(dq, (x.batch, x.seq_len, x.num_heads, x.head_dim)).astype(dq_dtype)
     if variant["q_layout"] == "head_major":
         dq = jnp.swapaxes(dq, 1, 2)
     dweights = _runtime.crop_to(dweights, (x.batch, x.seq_len, x.num_heads)).astype(weights.dtype)
-    dk = softmax_scale * dk
+    dk = softmax_scale * _runtime.crop_to(dk, (x.batch, x.num_blocks, x.head_dim))
     unscaled = _runtime.crop_to(results[3], (x.batch, x.seq_len, x.top_k))
     dk_scale = _runtime.scatter_slots(g * unscaled, x.rows[:, : x.seq_len, : x.top_k], x.num_blocks)
     return dq, dk.astype(dk_dtype), dweights, dk_scale

@@ -168,12 +168,17 @@ def test_score_inside_a_users_shard_map_with_replicated_keys():
     assert_matches("user shard_map over the sequence", F32_HM, out, grads, expected, diff, bounds, cotangent)
 
 
-@pytest.mark.parametrize("module", [BF16, FP8], ids=lambda m: m.VARIANT["name"])
-def test_sparse_score_inside_a_users_shard_map_with_replicated_keys(module):
+@pytest.mark.parametrize(
+    "module, windows", [(BF16, 1), (FP8, 1), (FP8, 3)], ids=["bf16", "fp8", "fp8_k_in_windows"]
+)
+def test_sparse_score_inside_a_users_shard_map_with_replicated_keys(module, windows, monkeypatch):
     """sparse_score with the queries (and their indices) sharded over a sequence axis and k replicated:
-    the same scores and gradients as on one device, dk (and dk_scale) summed over the axis once."""
+    the same scores and gradients as on one device, dk (and dk_scale) summed over the axis once; with
+    all of k resident, and with k in windows (a scan over them, inside the shard_map)."""
     mesh = mesh_of((8,), ("seq",), AxisType.Explicit)
     batch, seq_len, num_blocks, top_k = 1, 48, 150, 12
+    if windows > 1:
+        support.sparse_key_windows(monkeypatch, module, (batch, 16, seq_len, 64, num_blocks), top_k, windows)
     q, k, weights = support.make_inputs(module.VARIANT, (batch, 16, seq_len, 64, num_blocks), seed=3)
     diff = dict(q=q, k=k, weights=weights, **support.key_scale(module.VARIANT, k))
     rng = np.random.default_rng(3)
