@@ -463,7 +463,7 @@ def explain(
                 if request.program == "topk" and kp is None:  # one call per query chunk
                     report = threshold_report(report, sched, family, path, shape, plan, bounds)
                 if kernel.startswith("sparse_"):  # one call per window of k
-                    report = sparse_report(report, family, path, shape, plan, kernel, top_k)
+                    report = sparse_report(report, sched, family, path, shape, plan, kernel, top_k)
                 rows.append(Row(*common, True, "", report))
         if request.program == "topk" and res.ok:  # the rest of the selection: XLA's own programs
             chunks = _topk_chunks(family, path, shape, plan)
@@ -534,22 +534,49 @@ def threshold_report(
     return dataclasses.replace(report, steps=blocks, cycles=cycles, call_bytes=report.call_bytes * calls)
 
 
-def sparse_report(report: KernelReport, family: str, path: str, shape, plan: VariantPlan, kernel: str,
-                  top_k: int) -> KernelReport:  # fmt: skip
-    """A sparse kernel over all its calls: one per window of k (all of W in one where it fits VMEM),
-    by the family's own rule (``_runtime.sparse_key_windows``) for the dtype the kernel gathers in."""
+def sparse_report(report: KernelReport, sched: schedule.Schedule, family: str, path: str, shape,
+                  plan: VariantPlan, kernel: str, top_k: int) -> KernelReport:  # fmt: skip
+    """A sparse kernel over all its calls: one per window of k (all of W in one where it fits VMEM), by
+    the family's own rule (``_runtime.sparse_key_windows``) for the dtype the kernel gathers in.
+
+    What runs once per batch element of a call is counted so, not on every step: the DMAs of the
+    resident blocks (k's window and its dk: their index follows b only; the compiler issues them
+    behind a predicate inside the step) and, in the backward, the zeroing of the dk accumulators at
+    the first q block and their folding at the last (``_once_per_batch``)."""
     batch, heads, _, head_dim, width = shape
     if path and path not in sys.path:
         sys.path.insert(0, path)
     module = importlib.import_module(f"{family}.{plan.name}")
-    sparse = module._sparse
-    gather = sparse.SPARSE_GATHER_DTYPE if kernel == "sparse_forward" else sparse.SPARSE_BACKWARD_GATHER_DTYPE
-    q_dtype = module.VARIANT["q_dtype"]
-    copies = sparse._runtime.SPARSE_DK_COPIES if kernel == "sparse_backward" else 1
-    _, calls, _ = sparse._runtime.sparse_key_windows(width, head_dim, heads, top_k, gather, q_dtype, copies)
+    sparse, q_dtype = module._sparse, module.VARIANT["q_dtype"]
+    backward = kernel == "sparse_backward"
+    gather = sparse.SPARSE_BACKWARD_GATHER_DTYPE if backward else sparse.SPARSE_GATHER_DTYPE
+    most = sparse._runtime.SPARSE_DK_COPIES if backward else 0
+    rows, calls, copies = sparse._runtime.sparse_key_windows(width, head_dim, heads, top_k, gather, q_dtype, most)
+    once = _once_per_batch(sched, copies) if backward else set()
+    steps_ = sched.grid_trips - PIPELINE_ITERATIONS
+    resident = rows * -(-head_dim // 128) * 128 * 4  # bytes of a float32 block of the window's rows
+    dmas, dma_bytes = sched.step_dmas(once, sizes=lambda n: n != resident)
+    _, resident_bytes = sched.step_dmas(sizes=lambda n: n == resident)
+    steady = sched.executed(once)
+    cycles = steps_ * steady + batch * (sched.executed() - steady) + _fill_and_drain(sched)
     return dataclasses.replace(
-        report, steps=report.steps * calls, cycles=report.cycles * calls, call_bytes=report.call_bytes * calls
-    )
+        report, executed=steady, steps=report.steps * calls, cycles=cycles * calls, step_dmas=dmas,
+        step_dma_bytes=dma_bytes, call_bytes=calls * (steps_ * dma_bytes + batch * resident_bytes),
+    )  # fmt: skip
+
+
+def _once_per_batch(sched: schedule.Schedule, dk_copies: int) -> set[int]:
+    """The sparse backward's bundles that run at one q block of a batch element only: the branch region
+    zeroing its dk accumulators (before the first loop over slots, none inside it) and, with more than
+    one accumulator, the one adding them up (after the last): the largest such region on each side."""
+    if not sched.loops:
+        raise StructureError("sparse_backward: no loop over slots in the step")
+    first, last = sched.loops[0].start, sched.loops[-1].stop
+    plain = [s for s in sched.all_spans() if not any(s.start <= x.start < s.stop for x in sched.loops)]
+    sides = [[s for s in plain if s.stop <= first]] + ([[s for s in plain if s.start >= last]] if dk_copies > 1 else [])
+    if not all(sides):
+        raise StructureError("sparse_backward: no branch region zeroing (or adding up) the dk accumulators")
+    return sched.skipped([max(side, key=lambda s: s.size) for side in sides])
 
 
 def _threshold_groups(family: str, path: str, width: int) -> int:

@@ -116,15 +116,25 @@ class Schedule:
                     times[b] *= loop.trips
         return times
 
-    def step_dmas(self, skipped: set[int] = frozenset(), kinds=HBM_DMAS) -> tuple[int, int]:
+    def step_dmas(self, skipped: set[int] = frozenset(), kinds=HBM_DMAS, sizes=None) -> tuple[int, int]:
         """(count, bytes) of the DMAs of ``kinds`` one grid step issues when ``skipped`` are not, a DMA
-        inside a loop once per trip; every region counted as taken unless skipped."""
+        inside a loop once per trip; every region counted as taken unless skipped. ``sizes``: only
+        DMAs of bytes for which it holds."""
         count = size = 0
         for b, times in self._times(skipped).items():
             for kind, nbytes in self.dmas[b] if self.dmas else ():
-                if kind in kinds:
+                if kind in kinds and (sizes is None or sizes(nbytes)):
                     count, size = count + times, size + times * nbytes
         return count, size
+
+    def all_spans(self) -> list[Span]:
+        """Every branch span of the body, nested ones too, in program order."""
+        out, todo = [], list(reversed(self.spans))
+        while todo:
+            span = todo.pop()
+            out.append(span)
+            todo.extend(reversed(span.children))
+        return out
 
     def skipped(self, spans) -> set[int]:
         """Bundle indices not issued when ``spans`` are skipped."""

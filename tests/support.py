@@ -200,8 +200,10 @@ def count_primitive(jaxpr, name: str) -> int:
 
 
 def sparse_key_windows(monkeypatch, module, shape, top_k, windows):
-    """Shrink the VMEM the sparse kernels of ``module`` (a variant module) plan for, so that they take k
-    of ``shape`` (B, H, S, D, W) in ``windows`` windows, one call each; returns the rows of a window."""
+    """Shrink the VMEM the sparse kernels of ``module`` (a variant module) plan for, so that the backward
+    takes k of ``shape`` (B, H, S, D, W) in ``windows`` windows, one call each, and the forward (no dk
+    held) in fewer (more than one where its gathered rows are as wide as the backward's); returns the
+    rows of the backward's window."""
     from generated.csa_v4 import _geometry, _runtime  # the family's own rule, not a copy of it
 
     _, heads, _, head_dim, num_blocks = shape
@@ -210,8 +212,8 @@ def sparse_key_windows(monkeypatch, module, shape, top_k, windows):
     gathers = (module._sparse.SPARSE_GATHER_DTYPE, module._sparse.SPARSE_BACKWARD_GATHER_DTYPE)
     need = max(_geometry.sparse_vmem_bytes(rows, head_dim, heads, pad, dtype, q_dtype) for dtype in gathers)
     monkeypatch.setattr(_runtime, "SPARSE_VMEM_CAPACITY_BYTES", int(need * _geometry.VMEM_HEADROOM) + 1)
-    for dtype in gathers:  # what each kernel gathers in
-        assert _runtime.sparse_key_windows(num_blocks, head_dim, heads, top_k, dtype, q_dtype)[:2] == (
-            rows, windows,
-        )  # fmt: skip
+    backward = _runtime.sparse_key_windows(num_blocks, head_dim, heads, top_k, gathers[1], q_dtype, 1)
+    forward = _runtime.sparse_key_windows(num_blocks, head_dim, heads, top_k, gathers[0], q_dtype)
+    assert backward[:2] == (rows, windows) and forward[1] < windows, (forward, backward)
+    assert forward[1] > 1 or gathers[0] != gathers[1], (forward, backward)
     return rows

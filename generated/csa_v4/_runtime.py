@@ -1126,15 +1126,15 @@ def sparse_vmem_rows(head_dim, num_heads, top_k_pad, gather_dtype, q_dtype, dk_c
     return most
 
 
-def sparse_key_windows(num_blocks, head_dim, num_heads, top_k, gather_dtype, q_dtype, most_dk_copies=1):
-    """(rows per window, windows, dk accumulators) of k for a sparse kernel gathering in ``gather_dtype``:
-    as few windows as one accumulator allows, then as many accumulators, up to ``most_dk_copies`` (a
-    power of two; 1 for the forward, which has no dk), as keep that many. Each kernel runs once per
-    window (``over_key_windows``), so this is also its calls (what ``codegen explain --compiled``
-    multiplies a call's cost by)."""
+def sparse_key_windows(num_blocks, head_dim, num_heads, top_k, gather_dtype, q_dtype, most_dk_copies=0):
+    """(rows per window, windows, dk accumulators) of k for a sparse kernel gathering in ``gather_dtype``
+    with up to ``most_dk_copies`` float32 dk accumulators (0: the forward, which holds none; else a
+    power of two): as few windows as one accumulator allows (none, for the forward), then as many
+    accumulators as keep that many. Each kernel runs once per window (``over_key_windows``), so this is
+    also its calls (what ``codegen explain --compiled`` multiplies a call's cost by)."""
     top_k_pad = _geometry.sparse_top_k_pad(top_k)
     rows = lambda copies: sparse_vmem_rows(head_dim, num_heads, top_k_pad, gather_dtype, q_dtype, copies)
-    window_rows, windows = _geometry.sparse_windows(num_blocks, rows(1))
+    window_rows, windows = _geometry.sparse_windows(num_blocks, rows(min(most_dk_copies, 1)))
     keeps_windows = lambda n: rows(n) > 0 and _geometry.sparse_windows(num_blocks, rows(n))[1] == windows
     copies = most_dk_copies
     while copies > 1 and not keeps_windows(copies):
@@ -1174,7 +1174,7 @@ class SparseOperands(NamedTuple):
     top_k_pad: int
     window_rows: int  # k rows resident in VMEM per call: W when they all fit
     num_windows: int  # calls of each kernel, one a window of k
-    dk_copies: int  # the backward's float32 dk accumulators (1 for the forward)
+    dk_copies: int  # the backward's float32 dk accumulators (0 for the forward)
     vmem_limit_bytes: int | None
 
     @property
@@ -1188,9 +1188,9 @@ def flat_rows(rows):
     return rows.reshape(rows.shape[0], -1)
 
 
-def sparse_prepare(variant, q, k, weights, indices, k_scale, gather_dtype, most_dk_copies=1):
+def sparse_prepare(variant, q, k, weights, indices, k_scale, gather_dtype, most_dk_copies=0):
     """The ``SparseOperands`` of a checked call (see a variant's ``sparse_score``), for a kernel
-    gathering in ``gather_dtype`` with up to ``most_dk_copies`` dk accumulators."""
+    gathering in ``gather_dtype`` with up to ``most_dk_copies`` dk accumulators (0: the forward)."""
     # An input upcast to float32 (for a float32 sum of its gradient over mesh axes: see vary_together)
     # goes back to the variant's dtype, exactly; otherwise these do nothing.
     q, k = q.astype(variant["q_dtype"]), k.astype(variant["k_dtype"])

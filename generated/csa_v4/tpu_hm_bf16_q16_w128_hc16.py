@@ -143,7 +143,7 @@ def sparse_score(q, k, weights, indices, *, k_scale=None, softmax_scale=None, in
     ``out[b, s, j] = score[b, s, indices[b, s, j]]``, -inf where the index is -1 or outside
     [0, W) (both mean "no block"). Differentiable in q, k and weights: duplicate
     indices add up, empty slots get no gradient. Nothing of size W per query is computed: two Pallas
-    kernels gather each query's top_k rows of k (see ``_sparse_bf16``, and its limit on W).
+    kernels gather each query's top_k rows of k (see ``_sparse_bf16``: k in windows past VMEM).
 
     Args:
       q, k, weights, softmax_scale, interpret: as for ``score``.
