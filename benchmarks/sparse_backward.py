@@ -13,7 +13,7 @@ pairs, about S W / 2 with S = 4 W, the sparse one's with the slots, S top_k, whi
 (past that, each window of k costs the sparse kernels another call). From the per-pair and per-slot
 costs at S = 65536, W = 16384 (one window), the sparse gradient is the cheaper one from W / top_k =
 2 x (cost per slot) / (cost per visible pair): a linear extrapolation in W, checked by the measured
-shape at W = 65536 (W / top_k = 64, two windows of k).
+shape at W = 65536 (W / top_k = 64: the backward takes k in two windows, the forward in one).
 
     python benchmarks/sparse_backward.py [--variant NAME] [--chip v6e,7x] [--jobs N]
 """
@@ -71,8 +71,9 @@ def sparse_windows(family, variant, num_blocks, top_k):
     module = importlib.import_module(f"generated.{family}.{variant}")
     sparse, q_dtype = module._sparse, module.VARIANT["q_dtype"]
     return sparse._runtime.sparse_key_windows(
-        num_blocks, HEAD_DIM, HEADS, top_k, sparse.SPARSE_BACKWARD_GATHER_DTYPE, q_dtype
-    )[1]
+        num_blocks, HEAD_DIM, HEADS, top_k, sparse.SPARSE_BACKWARD_GATHER_DTYPE, q_dtype,
+        sparse._runtime.SPARSE_DK_COPIES,
+    )[1]  # fmt: skip
 
 
 def visible_pairs(seq_len, num_blocks, compress_rate):
