@@ -442,7 +442,10 @@ def explain(
                         f"{plan.name} {request.program} on {request.chip}: no schedule of {name}"
                     )
                 bounds = cost.causal_bounds(t.shape, compress_rate) if mask == "causal" else ()
-                sched = schedule.parse(*compiled[name], dynamic=kernel == "topk_threshold")
+                # the threshold kernel's loops, and a sparse kernel's over a window's spans of slots,
+                # run as many trips as the data say
+                dynamic = kernel == "topk_threshold" or kernel.startswith("sparse")
+                sched = schedule.parse(*compiled[name], dynamic=dynamic)
                 kp = next((k for k in plan.kernels if k.name == kernel), None)
                 model_bytes = 0
                 if kp is not None:
@@ -463,7 +466,7 @@ def explain(
                 if request.program == "topk" and kp is None:  # one call per query chunk
                     report = threshold_report(report, sched, family, path, shape, plan, bounds)
                 if kernel.startswith("sparse_"):  # one call per window of k
-                    report = sparse_report(report, sched, family, path, shape, plan, kernel, top_k)
+                    report = sparse_report(report, sched, family, path, shape, plan, kernel, top_k, bounds)
                 rows.append(Row(*common, True, "", report))
         if request.program == "topk" and res.ok:  # the rest of the selection: XLA's own programs
             chunks = _topk_chunks(family, path, shape, plan)
@@ -535,34 +538,79 @@ def threshold_report(
 
 
 def sparse_report(report: KernelReport, sched: schedule.Schedule, family: str, path: str, shape,
-                  plan: VariantPlan, kernel: str, top_k: int) -> KernelReport:  # fmt: skip
+                  plan: VariantPlan, kernel: str, top_k: int, bounds=()) -> KernelReport:  # fmt: skip
     """A sparse kernel over all its calls: one per window of k (all of W in one where it fits VMEM), by
     the family's own rule (``_runtime.sparse_key_windows``) for the dtype the kernel gathers in.
 
     What runs once per batch element of a call is counted so, not on every step: the DMAs of the
     resident blocks (k's window and its dk: their index follows b only; the compiler issues them
     behind a predicate inside the step) and, in the backward, the zeroing of the dk accumulators at
-    the first q block and their folding at the last (``_once_per_batch``)."""
+    the first q block and their folding at the last (``_once_per_batch``). With several windows, a
+    query's loops over slots run the trips of its span of slots in the window: counted from a model
+    of the indices at ``bounds`` (``_window_trips``), a query's loops costing one trip each the
+    bundles a trip adds to the step over its queries."""
     batch, heads, _, head_dim, width = shape
     if path and path not in sys.path:
         sys.path.insert(0, path)
     module = importlib.import_module(f"{family}.{plan.name}")
-    sparse, q_dtype = module._sparse, module.VARIANT["q_dtype"]
+    sparse, q_dtype, runtime = module._sparse, module.VARIANT["q_dtype"], module._sparse._runtime
     backward = kernel == "sparse_backward"
     gather = sparse.SPARSE_BACKWARD_GATHER_DTYPE if backward else sparse.SPARSE_GATHER_DTYPE
-    most = sparse._runtime.SPARSE_DK_COPIES if backward else 0
-    rows, calls, copies = sparse._runtime.sparse_key_windows(width, head_dim, heads, top_k, gather, q_dtype, most)
-    once = _once_per_batch(sched, copies) if backward else set()
+    most = runtime.SPARSE_DK_COPIES if backward else 0
+    rows, calls, copies = runtime.sparse_key_windows(width, head_dim, heads, top_k, gather, q_dtype, most)
     steps_ = sched.grid_trips - PIPELINE_ITERATIONS
+    loops, trips, per_trip = report.loops, 0, 0.0
+    if calls > 1:
+        step_trips = _window_trips(runtime, shape, top_k, rows, calls, bounds)  # [calls, steps]
+        trips = int(step_trips.sum())
+        none, sched = sched.with_trips(0), sched.with_trips(1)
+        per_trip = (sched.executed() - none.executed()) / runtime.SPARSE_BLOCK_Q  # one a query's loops
+        mean = trips / (calls * steps_ * runtime.SPARSE_BLOCK_Q)  # a query's trips a call
+        loops = tuple((size, round(mean) if n == schedule.DYNAMIC else n) for size, n in loops)
+    once = _once_per_batch(sched, copies) if backward else set()
     resident = rows * -(-head_dim // 128) * 128 * 4  # bytes of a float32 block of the window's rows
     dmas, dma_bytes = sched.step_dmas(once, sizes=lambda n: n != resident)
     _, resident_bytes = sched.step_dmas(sizes=lambda n: n == resident)
-    steady = sched.executed(once)
-    cycles = steps_ * steady + batch * (sched.executed() - steady) + _fill_and_drain(sched)
+    steady = sched.executed(once) - per_trip * runtime.SPARSE_BLOCK_Q * (calls > 1)  # no trip, if dynamic
+    per_call = steps_ * steady + batch * (sched.executed() - sched.executed(once)) + _fill_and_drain(sched)
+    cycles = int(calls * per_call + per_trip * trips)
     return dataclasses.replace(
-        report, executed=steady, steps=report.steps * calls, cycles=cycles * calls, step_dmas=dmas,
-        step_dma_bytes=dma_bytes, call_bytes=calls * (steps_ * dma_bytes + batch * resident_bytes),
+        report, executed=int(steady + per_trip * trips / (calls * steps_)),  # a step's mean
+        steps=steps_ * calls, cycles=cycles, step_dmas=dmas, step_dma_bytes=dma_bytes,
+        call_bytes=calls * (steps_ * dma_bytes + batch * resident_bytes), loops=loops,
     )  # fmt: skip
+
+
+def _window_trips(runtime, shape, top_k: int, rows: int, calls: int, bounds) -> np.ndarray:
+    """Loop trips of each grid step of each window's call, summed over the step's queries (and batch
+    elements): ``[calls, steps]``.
+
+    The indices are a model, not the kernel's data: each query selects min(top_k, visible) distinct
+    blocks uniformly among those it sees (``[kv_start, kv_end)`` of ``bounds``; every block without),
+    the selection ``score_topk`` makes of random scores, drawn with a fixed seed window by window
+    (multivariate hypergeometric counts). Its slots, sorted by block, then span each window as
+    ``_runtime.window_spans`` says, and cost the trips ``_runtime.span_trips`` says."""
+    batch, _, seq_len, _, width = shape
+    if bounds:
+        kv_start, kv_end = (np.asarray(b, np.int64).reshape(batch, seq_len) for b in bounds)
+    else:
+        kv_start, kv_end = np.zeros((batch, seq_len), np.int64), np.full((batch, seq_len), width)
+    rng = np.random.default_rng(0)
+    kv_end = np.minimum(kv_end, width)
+    unseen = np.maximum(kv_end - kv_start, 0)  # visible blocks not yet in a window
+    left = np.minimum(unseen, top_k)  # slots not yet in a window
+    first = np.zeros_like(unseen)  # the query's first slot in the window (its slots sorted)
+    qb, unroll = runtime.SPARSE_BLOCK_Q, runtime._geometry.SPARSE_GATHER_UNROLL
+    out = np.zeros((calls, -(-seq_len // qb)), np.int64)
+    for c in range(calls):
+        here = np.maximum(np.minimum(kv_end, (c + 1) * rows) - np.maximum(kv_start, c * rows), 0)
+        count = rng.hypergeometric(here, unseen - here, left)
+        lo, stop = runtime.span_trips(first, first + count, unroll)
+        trips = np.zeros((batch, out.shape[1] * qb), np.int64)
+        trips[:, :seq_len] = stop - lo
+        out[c] = trips.reshape(batch, -1, qb).sum(axis=(0, 2))
+        first, left, unseen = first + count, left - count, unseen - here
+    return out
 
 
 def _once_per_batch(sched: schedule.Schedule, dk_copies: int) -> set[int]:

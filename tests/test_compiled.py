@@ -266,3 +266,49 @@ def test_a_loop_the_kernel_bounds_itself_takes_the_trips_the_caller_gives(tmp_pa
     sched = schedule.parse(*files, dynamic=True)
     assert [(loop.start, loop.stop, loop.trips) for loop in sched.loops] == [(2, 9, schedule.DYNAMIC)]
     assert [sched.with_trips(n).executed() for n in (0, 1, 128)] == [13, 20, 20 + 127 * 7]
+
+
+@pytest.mark.parametrize("num_blocks, windows", [(2048, 1), (65536, 2)], ids=["resident_k", "k_in_windows"])
+def test_sparse_kernels_cost_their_windows_and_once_per_batch_work_once(num_blocks, windows, tmp_path):
+    """The sparse gradient compiled for v6e (few queries, the V4 heads and top_k 1024) and read as
+    ``codegen explain --compiled`` reads it: a call per window of k, each query's loops in a window's
+    call only over its span of slots there, and what runs once per batch element of a call (the
+    backward's zeroing and adding up of its dk accumulators, the resident blocks' DMAs) once."""
+    shape, top_k = (1, 64, 64, 128, num_blocks), 1024
+    family = pipeline.load_family(SPEC_PATH)
+    plan = family.plan(PRODUCTION)
+    request = tpu_compile.Request("generated.csa_v4", PRODUCTION, "v6e", "sparse_grad", shape, top_k)
+    (result,) = tpu_compile.compile_many([request], keep=str(tmp_path))
+    assert result.ok, result.error
+    module = __import__(f"generated.csa_v4.{PRODUCTION}", fromlist=["_sparse"])
+    runtime, gather = module._sparse._runtime, module._sparse.SPARSE_BACKWARD_GATHER_DTYPE
+    rows, calls, copies = runtime.sparse_key_windows(num_blocks, 128, 64, top_k, gather, "bfloat16", 4)
+    assert calls == windows and copies == (4 if windows == 1 else 1)
+    sched = schedule.parse(*result.kernels()[f"{PRODUCTION}_sparse_backward"], dynamic=True)
+    # with windows, the loops over slots run as many trips as a query's span (none without)
+    assert all((loop.trips == schedule.DYNAMIC) == (windows > 1) for loop in sched.loops)
+    t = cost.tiling(plan, shape)
+    base = compiled.kernel_report(plan, None, "sparse_backward", sched, t, cost.kind_matrix(t), sched, 1)
+    report = compiled.sparse_report(
+        base, sched, "generated.csa_v4", "", shape, plan, "sparse_backward", top_k
+    )
+    steps, trips = sched.grid_trips - compiled.PIPELINE_ITERATIONS, top_k // 16  # a query's, over W
+    assert steps == 64 // 8 and report.steps == steps * calls
+    full = sched.with_trips(trips)  # every slot visited in every call
+    once = compiled._once_per_batch(full, copies)
+    # the zeroing (and, with several accumulators, the adding up) writes every row of each: at least
+    # one vector store a bundle for its rows x 128 lanes of float32, 8 rows a vector
+    assert len(once) >= copies * rows // 8 // 4
+    once_bundles = full.executed() - full.executed(once)
+    fill = compiled._fill_and_drain(sched)
+    if windows == 1:
+        assert report.cycles == steps * full.executed(once) + once_bundles + fill
+    else:  # each slot visited once over the calls: a trip more at most per query and window
+        none, one = sched.with_trips(0), sched.with_trips(1)
+        per_trip = (one.executed(once) - none.executed(once)) / 8
+        fixed = calls * (steps * none.executed(once) + once_bundles + fill)
+        least = fixed + per_trip * 64 * trips
+        assert least <= report.cycles <= least + per_trip * 64 * calls < calls * (steps * full.executed(once))
+    # the resident blocks (k's window, dk) move once per call, every other DMA on every step
+    _, resident_bytes = full.step_dmas(sizes=lambda n: n == rows * 128 * 4)
+    assert report.call_bytes == calls * (steps * report.step_dma_bytes + resident_bytes)

@@ -45,9 +45,10 @@ def test_templates_load_from_the_package_not_the_working_directory(tmp_path, mon
 # What a reviewer reads: every variant module small, what variants share written once (the shipped
 # runtime, geometry and top-k selection, one module per dense and per sparse kernel shape). A kernel
 # rendered per variant again would cost ~300 lines a variant and break this. (8360 lines with score_topk;
-# 8883 with dq/dweights' last-step finish, whose head accessors each dense module carries; 9229 with k
-# in windows past VMEM and several dk accumulators, in each of the four sparse modules.)
-GENERATED_LINES_CAP = 9400
+# 8883 with dq/dweights' last-step finish, whose head accessors each dense module carries; 9359 with k
+# in windows past VMEM, each window's spans of slots and several dk accumulators, in each of the four
+# sparse modules.)
+GENERATED_LINES_CAP = 9500
 
 
 def test_generated_code_stays_written_once():

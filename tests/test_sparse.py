@@ -96,12 +96,17 @@ def test_sparse_score_and_its_gradients_match_the_reference_gathered(sparse_modu
         support.assert_close(name, actual, wanted)
 
 
-def test_sparse_kernels_under_the_tpu_interpreter():
+@pytest.mark.parametrize("windows", [1, 3], ids=["resident_k", "k_in_windows"])
+def test_sparse_kernels_under_the_tpu_interpreter(windows, monkeypatch):
     """Uninitialised VMEM and outputs read as NaN, races and out-of-bounds reads reported: every
-    slot's gathered row, every output column and the dk accumulator must be written before read."""
+    slot's gathered row, every output column and the dk accumulators must be written before read,
+    also where a window's call gathers only its slots' span."""
     module = VARIANTS["tpu_sm_bf16_q16_w128_hc16"]
     variant = module.VARIANT
-    q, k, weights = support.make_inputs(variant, (1, 16, 9, 32, 20), seed=3)
+    shape = (1, 16, 9, 32, 20)
+    if windows > 1:
+        support.sparse_key_windows(monkeypatch, module, shape, 5, windows)
+    q, k, weights = support.make_inputs(variant, shape, seed=3)
     indices = _indices(1, 9, 20, 5, seed=4)
     sparse = lambda q, k, weights: module.sparse_score(
         q, k, weights, indices, interpret=support.tpu_interpret_params()

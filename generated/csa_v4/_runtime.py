@@ -1162,6 +1162,10 @@ class SparseOperands(NamedTuple):
     weights: jax.Array  # [B, S_pad, H] float32
     rows: jax.Array  # [B, S_pad, top_k_pad] int32: the block each slot gathers; 0 for an empty slot
     in_range: jax.Array  # [B, S_pad, top_k_pad] bool: the slot's index lies in [0, W)
+    # Several windows: each query's slots in the order the kernels take them, by block (in_range
+    # first), and its inverse; None with one window (the kernels take the slots as given).
+    order: jax.Array | None
+    unorder: jax.Array | None
     valid: jax.Array  # [B, S, top_k] bool: the same, unpadded
     slot_scale: jax.Array | None  # [B, S, top_k] float32: k_scale of each slot's block (float8 variants)
     batch: int
@@ -1180,6 +1184,14 @@ class SparseOperands(NamedTuple):
     @property
     def num_q_blocks(self):
         return self.seq_pad // _geometry.SPARSE_BLOCK_Q
+
+    def in_call_order(self, slots):
+        """A ``[B, S_pad, top_k_pad]`` slot array (the cotangent) in the order the kernels take the slots."""
+        return slots if self.order is None else jnp.take_along_axis(slots, self.order, axis=2)
+
+    def in_slot_order(self, slots):
+        """A slot array the kernels wrote (the score) back in the order of ``indices``."""
+        return slots if self.unorder is None else jnp.take_along_axis(slots, self.unorder, axis=2)
 
 
 def flat_rows(rows):
@@ -1212,37 +1224,68 @@ def sparse_prepare(variant, q, k, weights, indices, k_scale, gather_dtype, most_
     if k_scale is not None:
         slot_scale = jnp.take_along_axis(k_scale, rows.reshape(batch, -1), axis=1).reshape(rows.shape)
     pad_slots = lambda a: pad_to(pad_to(a, 2, top_k_pad), 1, seq_pad)
-    k = k.astype(ACCUM_DTYPE) if num_windows == 1 else pad_to(k, 1, num_windows * window_rows)
+    order = unorder = None
+    if num_windows == 1:
+        k = k.astype(ACCUM_DTYPE)
+    else:  # a window's slots together in each query's row: its calls visit those only
+        k = pad_to(k, 1, num_windows * window_rows)
+        key = jnp.where(pad_slots(valid), pad_slots(rows), num_blocks)  # padding and empty slots last
+        order = jnp.argsort(key, axis=2, stable=True)
+        unorder = jnp.argsort(order, axis=2).astype(jnp.int32)
+        order = order.astype(jnp.int32)
     return SparseOperands(
         pad_to(q, 1, seq_pad), k, pad_to(weights.astype(ACCUM_DTYPE), 1, seq_pad),
-        pad_slots(rows), pad_slots(valid), valid, slot_scale,
+        pad_slots(rows), pad_slots(valid), order, unorder, valid, slot_scale,
         batch, num_heads, seq_len, num_blocks, head_dim, top_k, seq_pad, top_k_pad, window_rows, num_windows,
         dk_copies, vmem_limit,
     )  # fmt: skip
 
 
 def over_key_windows(x, call):
-    """``call(done, k, rows, in_window, start)`` once per window of k (``SparseOperands``), returning what
-    the last returns: ``k`` the window's float32 rows from block ``start`` on, ``rows`` the slots' rows
-    within it (0 outside it), ``in_window`` which slots it holds, ``done`` what the call before returned.
+    """``call(done, k, rows, in_window, spans, start)`` once per window of k (``SparseOperands``),
+    returning what the last returns: ``k`` the window's float32 rows from block ``start`` on, ``rows``
+    the slots' rows within it (0 outside it) and ``in_window`` which slots it holds, both in the order
+    the kernels take the slots (``x.in_call_order``); ``spans`` each query's slots in the window (see
+    ``window_spans``); ``done`` what the call before returned.
 
-    One window (W fits VMEM): a single call with the whole resident k, ``done`` and ``in_window`` None.
-    Several: the first window's call, then a ``lax.scan`` over the rest, whose carry is what a call
-    returns (so it varies over a mesh's manual axes as the kernels' outputs do). A slot lies in one
-    window: ``call`` keeps the results of its slots in the window and adds what sums over slots.
+    One window (W fits VMEM): a single call with the whole resident k, ``done``, ``in_window`` and
+    ``spans`` None. Several: the first window's call, then a ``lax.scan`` over the rest, whose carry is
+    what a call returns (so it varies over a mesh's manual axes as the kernels' outputs do). A slot
+    lies in one window: ``call`` keeps the results of its slots in the window and adds what sums over
+    slots.
     """
     if x.num_windows == 1:
-        return call(None, x.k, x.rows, None, 0)
+        return call(None, x.k, x.rows, None, None, 0)
+    rows, in_range = x.in_call_order(x.rows), x.in_call_order(x.in_range)
+    key = jnp.where(in_range, rows, x.num_blocks)  # ascending along each query's slots
 
     def window(done, index):
         start = index * x.window_rows
         k = jax.lax.dynamic_slice_in_dim(x.k, start, x.window_rows, axis=1).astype(ACCUM_DTYPE)
-        in_window = x.in_range & (x.rows >= start) & (x.rows < start + x.window_rows)
-        return call(done, k, jnp.where(in_window, x.rows - start, 0), in_window, start)
+        in_window = in_range & (rows >= start) & (rows < start + x.window_rows)
+        spans = window_spans(key, start, start + x.window_rows)
+        return call(done, k, jnp.where(in_window, rows - start, 0), in_window, spans, start)
 
     first = window(None, 0)
     done, _ = jax.lax.scan(lambda d, i: (window(d, i), None), first, jnp.arange(1, x.num_windows))
     return done
+
+
+def window_spans(key, lo, hi):
+    """Per query, the slots ``[first, end)`` whose sorted ``key`` (``[B, S_pad, top_k_pad]``) lies in
+    ``[lo, hi)``, as the kernels read them: int32 ``[B, S_pad / SPARSE_BLOCK_Q * 128]``, 128 words a q
+    block, its ``(first, end)`` pairs in the first 2 * SPARSE_BLOCK_Q (one flat SMEM block a step)."""
+    first = jnp.sum(key < lo, axis=2, dtype=jnp.int32)
+    end = jnp.sum(key < hi, axis=2, dtype=jnp.int32)
+    pairs = jnp.stack([first, end], axis=2).reshape(key.shape[0], -1, 2 * _geometry.SPARSE_BLOCK_Q)
+    return pad_to(pairs, 2, _geometry.LANES).reshape(key.shape[0], -1)
+
+
+def span_trips(first, end, unroll):
+    """(first, stop): the loop trips of ``unroll`` slots that cover the slots ``[first, end)``, none for
+    an empty span (scalars in a kernel, arrays in ``codegen explain --compiled``)."""
+    lo = first // unroll
+    return lo, lo + (end > first) * ((end + unroll - 1) // unroll - lo)
 
 
 def slot_rows(x, seq_pad, top_k_pad):
@@ -1274,14 +1317,16 @@ def sparse_block_specs(x):
         ),
         weights=pl.BlockSpec((None, qb, x.num_heads), lambda b, i: (b, i, 0)),
         slots=pl.BlockSpec((None, qb, x.top_k_pad), lambda b, i: (b, i, 0)),
+        spans=pl.BlockSpec((None, _geometry.LANES), lambda b, i: (b, i), memory_space=pltpu.SMEM),
     )
 
 
-def for_each_slot(rows_ref, s, slots, unroll, visit):
+def for_each_slot(rows_ref, s, slots, unroll, visit, spans_ref=None):
     """``visit(j, row, t)`` for every slot j < ``slots`` of query ``s`` of the q block, in order, ``row``
     its index from the flat SMEM block ``rows_ref``, ``t`` its place in its loop trip (static):
     ``unroll`` slots a trip, statically unrolled so the compiler overlaps their index loads and
-    addresses (``slots`` a multiple of it)."""
+    addresses (``slots`` a multiple of it). With ``spans_ref`` (a window of k), only the trips that
+    cover the query's span of slots in the window: a loop of as many trips as the indices say."""
     base = s * slots
 
     def body(c, carry):
@@ -1290,10 +1335,27 @@ def for_each_slot(rows_ref, s, slots, unroll, visit):
             visit(j + t, rows_ref[base + j + t], t)
         return carry
 
-    jax.lax.fori_loop(0, slots // unroll, body, 0)
+    if spans_ref is None:
+        first, stop = 0, slots // unroll
+    else:
+        first, stop = span_trips(spans_ref[2 * s], spans_ref[2 * s + 1], unroll)
+    jax.lax.fori_loop(first, stop, body, 0)
 
 
-def gather_rows(rows_ref, k_ref, gathered_ref, s):
+def spans_kernel(kernel, spans):
+    """``kernel(rows_ref, spans_ref, *refs)`` as the pallas_call's kernel: ``spans_ref`` None for a call
+    without spans (one window: every slot in it, the loops' trips static)."""
+    if spans is not None:
+        return kernel
+    return lambda rows_ref, *refs, **kw: kernel(rows_ref, None, *refs, **kw)
+
+
+def spans_input(spans):
+    """The ``spans`` operand of a sparse_call's inputs (``sparse_block_specs``): none for one window."""
+    return {} if spans is None else {"spans": ("spans", spans)}
+
+
+def gather_rows(rows_ref, k_ref, gathered_ref, s, spans_ref=None):
     """For every slot j of query ``s``: k's float32 row ``rows[s, j]`` as row j of ``gathered_ref``: one
     dynamic single-row read and one single-row store per slot (a 32-bit row at any dynamic row lowers;
     a vector gather does not), ``_geometry.SPARSE_GATHER_UNROLL`` slots a loop trip."""
@@ -1301,10 +1363,10 @@ def gather_rows(rows_ref, k_ref, gathered_ref, s):
     def visit(j, row, _):
         gathered_ref[pl.ds(j, 1), :] = k_ref[pl.ds(row, 1), :]
 
-    for_each_slot(rows_ref, s, gathered_ref.shape[0], _geometry.SPARSE_GATHER_UNROLL, visit)
+    for_each_slot(rows_ref, s, gathered_ref.shape[0], _geometry.SPARSE_GATHER_UNROLL, visit, spans_ref)
 
 
-def scatter_add_rows(rows_ref, dk_refs, dk_gathered_ref, s):
+def scatter_add_rows(rows_ref, dk_refs, dk_gathered_ref, s, spans_ref=None):
     """dk row ``rows[s, j]`` += row j of ``dk_gathered_ref``, slot by slot, into the accumulators
     ``dk_refs`` in turn (their sum is dk): duplicates add up; an empty slot's row is zero (its
     cotangent is) and adds nothing. A dynamic single-row read-modify-write of float32 VMEM per slot,
@@ -1315,7 +1377,7 @@ def scatter_add_rows(rows_ref, dk_refs, dk_gathered_ref, s):
         dk_ref = dk_refs[t % len(dk_refs)]
         dk_ref[pl.ds(row, 1), :] += dk_gathered_ref[pl.ds(j, 1), :]
 
-    for_each_slot(rows_ref, s, dk_gathered_ref.shape[0], _geometry.SPARSE_SCATTER_UNROLL, visit)
+    for_each_slot(rows_ref, s, dk_gathered_ref.shape[0], _geometry.SPARSE_SCATTER_UNROLL, visit, spans_ref)
 
 
 def sparse_call(kernel, x, *, inputs, outputs, scratch, semantics, work, name, interpret):

@@ -13,8 +13,9 @@ query's slots are a lane-dense row of the score and cotangent, reached by [1, H]
 sums at HIGHEST.
 Where k's rows and their float32 dk do not fit the smallest target's VMEM
 (_runtime.SPARSE_VMEM_CAPACITY_BYTES: ~47000 keys at H = 64, D = 128, top_k = 1024), each kernel is
-called once per window of k that does (``_runtime.over_key_windows``), each call seeing only its
-window's slots: W is bounded by HBM, and each window costs a call.
+called once per window of k that does (``_runtime.over_key_windows``): each query's slots sorted by
+block, a window's call gathers and scatters only the span of them in its window (``spans_ref``). W
+is bounded by HBM.
 """
 
 import functools
@@ -69,18 +70,29 @@ def _weights_columns(weights_ref):
     return weights_ref[...].T
 
 
-def _sparse_forward_kernel(rows_ref, q_ref, k_ref, weights_ref, out_ref, gathered_ref, *, softmax_scale):
-    """Scores of SPARSE_BLOCK_Q queries, a row each: softmax_scale * sum_h weights_h * relu(logits)."""
+def _gathered_rows_from_zero(gathered_ref, spans_ref):
+    """With a window's spans, the slots outside a query's span keep the rows gathered before (their
+    cotangent is zero, their score unused): rows of k, or zeros, never VMEM's leftovers."""
+    if spans_ref is not None:
+        gathered_ref[...] = jnp.zeros_like(gathered_ref)
+
+
+def _sparse_forward_kernel(
+    rows_ref, spans_ref, q_ref, k_ref, weights_ref, out_ref, gathered_ref, *, softmax_scale
+):  # fmt: skip
+    """Scores of SPARSE_BLOCK_Q queries, a row each: softmax_scale * sum_h weights_h * relu(logits);
+    with ``spans_ref`` (a window of k), the slots in each query's span of the window only."""
+    _gathered_rows_from_zero(gathered_ref, spans_ref)
     weights = _weights_columns(weights_ref)
     for s in range(_runtime.SPARSE_BLOCK_Q):
-        _runtime.gather_rows(rows_ref, k_ref, gathered_ref, s)
+        _runtime.gather_rows(rows_ref, k_ref, gathered_ref, s, spans_ref)
         gathered = gathered_ref[...].astype(SPARSE_GATHER_DTYPE)
         logits = _sparse_logits(_sparse_query(q_ref, s, SPARSE_GATHER_DTYPE), gathered, MATMUL_PRECISION)
         out_ref[s : s + 1, :] = softmax_scale * _head_sum(weights[:, s : s + 1], jnp.maximum(logits, 0.0))
 
 
 def _sparse_backward_kernel(
-    rows_ref, q_ref, k_ref, weights_ref, g_ref,  # inputs
+    rows_ref, spans_ref, q_ref, k_ref, weights_ref, g_ref,  # inputs (spans_ref: see the forward)
     dq_ref, dweights_ref, dk_ref,  # outputs
     gathered_ref, dk_gathered_ref, *more_dk_refs,  # scratch
     softmax_scale,
@@ -95,10 +107,11 @@ def _sparse_backward_kernel(
         for ref in (dk_ref, *more_dk_refs):
             ref[...] = jnp.zeros_like(ref)
 
+    _gathered_rows_from_zero(gathered_ref, spans_ref)
     weights = _weights_columns(weights_ref)
     dweights = []  # [H, 1] a query
     for s in range(_runtime.SPARSE_BLOCK_Q):
-        _runtime.gather_rows(rows_ref, k_ref, gathered_ref, s)
+        _runtime.gather_rows(rows_ref, k_ref, gathered_ref, s, spans_ref)
         gathered = gathered_ref[...].astype(SPARSE_BACKWARD_GATHER_DTYPE)
         q_s = _sparse_query(q_ref, s, gathered.dtype)
         logits = _sparse_logits(q_s, gathered, SPARSE_BACKWARD_PRECISION)  # [H, top_k]
@@ -113,7 +126,7 @@ def _sparse_backward_kernel(
         dk_gathered_ref[...] = _runtime.sparse_matmul(
             dlogits, q_s, _runtime.CONTRACT_FIRST, SPARSE_BACKWARD_PRECISION
         )
-        _runtime.scatter_add_rows(rows_ref, (dk_ref, *more_dk_refs), dk_gathered_ref, s)
+        _runtime.scatter_add_rows(rows_ref, (dk_ref, *more_dk_refs), dk_gathered_ref, s, spans_ref)
     dweights_ref[...] = softmax_scale * jnp.concatenate(dweights, axis=1).T  # [SPARSE_BLOCK_Q, H]
 
     @pl.when(pl.program_id(1) == pl.num_programs(1) - 1)
@@ -127,13 +140,14 @@ def forward(variant, q, k, weights, indices, k_scale, softmax_scale, interpret):
     fits VMEM), then the empty slots masked."""
     x = _runtime.sparse_prepare(variant, q, k, weights, indices, k_scale, SPARSE_GATHER_DTYPE)
 
-    def window(done, k_window, rows, in_window, start):
+    def window(done, k_window, rows, in_window, spans, start):
+        kernel = functools.partial(_sparse_forward_kernel, softmax_scale=softmax_scale)
         (out,) = _runtime.sparse_call(
-            functools.partial(_sparse_forward_kernel, softmax_scale=softmax_scale),
+            _runtime.spans_kernel(kernel, spans),
             x,
             inputs={
-                "rows": ("rows", _runtime.flat_rows(rows)), "q": ("q", x.q), "k": ("k", k_window),
-                "weights": ("weights", x.weights),
+                "rows": ("rows", _runtime.flat_rows(rows)), **_runtime.spans_input(spans), "q": ("q", x.q),
+                "k": ("k", k_window), "weights": ("weights", x.weights),
             },
             outputs={"out": ("slots", (_runtime.slots_shape(x), jnp.float32))},
             scratch=[pltpu.VMEM((x.top_k_pad, x.head_dim), jnp.float32)],
@@ -144,7 +158,8 @@ def forward(variant, q, k, weights, indices, k_scale, softmax_scale, interpret):
         )  # fmt: skip
         return out if done is None else jnp.where(in_window, out, done)  # each slot from its own window
 
-    out = _runtime.crop_to(_runtime.over_key_windows(x, window), (x.batch, x.seq_len, x.top_k))
+    out = x.in_slot_order(_runtime.over_key_windows(x, window))
+    out = _runtime.crop_to(out, (x.batch, x.seq_len, x.top_k))
     return jnp.where(x.valid, out, _runtime.MASKED_VALUE).astype(variant["out_dtype"])
 
 
@@ -155,18 +170,20 @@ def backward(variant, softmax_scale, interpret, q, k, weights, indices, k_scale,
     )
     g = jnp.where(x.valid, g.astype(jnp.float32), 0.0)  # empty slots get no gradient, whatever g holds there
     g_slots = _runtime.slot_rows(g, x.seq_pad, x.top_k_pad)
+    g_slots = x.in_call_order(g_slots)  # the kernels' order of the slots
     dq_dtype = _runtime.grad_dtype(q, jnp.dtype(variant["qk_grad_dtype"]))  # float32 where q arrived upcast
     dk_dtype = _runtime.grad_dtype(k, jnp.dtype(variant["qk_grad_dtype"]))
     # One window writes dq in its own dtype; several add theirs in float32, then round once.
     window_dq_dtype = dq_dtype if x.num_windows == 1 else jnp.float32
 
-    def window(done, k_window, rows, in_window, start):
+    def window(done, k_window, rows, in_window, spans, start):
+        kernel = functools.partial(_sparse_backward_kernel, softmax_scale=softmax_scale)
         results = _runtime.sparse_call(
-            functools.partial(_sparse_backward_kernel, softmax_scale=softmax_scale),
+            _runtime.spans_kernel(kernel, spans),
             x,
             inputs={
-                "rows": ("rows", _runtime.flat_rows(rows)), "q": ("q", x.q), "k": ("k", k_window),
-                "weights": ("weights", x.weights),
+                "rows": ("rows", _runtime.flat_rows(rows)), **_runtime.spans_input(spans), "q": ("q", x.q),
+                "k": ("k", k_window), "weights": ("weights", x.weights),
                 "g": ("slots", g_slots if in_window is None else jnp.where(in_window, g_slots, 0.0)),
             },
             outputs={
