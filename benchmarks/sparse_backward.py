@@ -21,10 +21,8 @@ shape at W = 65536 (W / top_k = 64: the backward takes k in two windows, the for
 from __future__ import annotations
 
 import argparse
-import importlib
 import pathlib
 import re
-import sys
 
 import numpy as np
 
@@ -62,18 +60,6 @@ def hbm_oom(error):
     """The compiler's HBM shortfall where ``error`` says the program does not fit HBM (else None)."""
     m = re.search(r"temporaries \(([\d.]+G)\) exceeds available HBM \(([\d.]+G)\)", error or "")
     return m and f"its HBM temporaries {m.group(1)} exceed the chip's {m.group(2)}"
-
-
-def sparse_windows(family, variant, num_blocks, top_k):
-    """The windows of k the sparse backward takes at this W and top_k, by the family's own rule."""
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    module = importlib.import_module(f"generated.{family}.{variant}")
-    sparse, q_dtype = module._sparse, module.VARIANT["q_dtype"]
-    return sparse._runtime.sparse_key_windows(
-        num_blocks, HEAD_DIM, HEADS, top_k, sparse.SPARSE_BACKWARD_GATHER_DTYPE, q_dtype,
-        sparse._runtime.SPARSE_DK_COPIES,
-    )[1]  # fmt: skip
 
 
 def visible_pairs(seq_len, num_blocks, compress_rate):
@@ -122,7 +108,9 @@ def main(argv=None) -> None:
                       f"{sum(r.report.cycles for r in mine) / 1e6:,.1f} | "
                       f"{sum(r.report.call_bytes for r in mine) / 1e9:,.2f} | **{total * 1e3:,.2f}** |")  # fmt: skip
         for route, _ in ROUTES:
-            windows = sparse_windows(family.spec.family, args.variant, num_blocks, top_k)
+            _, (_, windows, _) = compiled.sparse_windows(
+                f"generated.{family.spec.family}", str(ROOT), args.variant, "sparse_backward", shape, top_k
+            )
             name, held = largest_in_hbm(plan.variant, seq_len, num_blocks, top_k, route == "sparse", windows)
             largest.append(f"{seq_len}, {num_blocks}, {top_k} {route}: {name} ({held / 2**20:,.0f} MiB)")
     print("\nLargest array each gradient program holds in HBM:\n")

@@ -549,17 +549,10 @@ def sparse_report(report: KernelReport, sched: schedule.Schedule, family: str, p
     query's loops over slots run the trips of its span of slots in the window: counted from a model
     of the indices at ``bounds`` (``_window_trips``), a query's loops costing one trip each the
     bundles a trip adds to the step over its queries."""
-    batch, heads, _, head_dim, width = shape
-    if path and path not in sys.path:
-        sys.path.insert(0, path)
-    module = importlib.import_module(f"{family}.{plan.name}")
-    sparse, q_dtype, runtime = module._sparse, module.VARIANT["q_dtype"], module._sparse._runtime
-    backward = kernel == "sparse_backward"
-    gather = sparse.SPARSE_BACKWARD_GATHER_DTYPE if backward else sparse.SPARSE_GATHER_DTYPE
-    most = runtime.SPARSE_DK_COPIES if backward else 0
-    rows, calls, copies = runtime.sparse_key_windows(width, head_dim, heads, top_k, gather, q_dtype, most)
+    batch, _, _, head_dim, _ = shape
+    runtime, (rows, calls, copies) = sparse_windows(family, path, plan.name, kernel, shape, top_k)
     steps_ = sched.grid_trips - PIPELINE_ITERATIONS
-    loops, trips, per_trip = report.loops, 0, 0.0
+    loops, trips, per_trip, none = report.loops, 0, 0.0, sched
     if calls > 1:
         step_trips = _window_trips(runtime, shape, top_k, rows, calls, bounds)  # [calls, steps]
         trips = int(step_trips.sum())
@@ -567,11 +560,11 @@ def sparse_report(report: KernelReport, sched: schedule.Schedule, family: str, p
         per_trip = (sched.executed() - none.executed()) / runtime.SPARSE_BLOCK_Q  # one a query's loops
         mean = trips / (calls * steps_ * runtime.SPARSE_BLOCK_Q)  # a query's trips a call
         loops = tuple((size, round(mean) if n == schedule.DYNAMIC else n) for size, n in loops)
-    once = _once_per_batch(sched, copies) if backward else set()
+    once = _once_per_batch(sched, copies) if kernel == "sparse_backward" else set()
     resident = rows * -(-head_dim // 128) * 128 * 4  # bytes of a float32 block of the window's rows
     dmas, dma_bytes = sched.step_dmas(once, sizes=lambda n: n != resident)
     _, resident_bytes = sched.step_dmas(sizes=lambda n: n == resident)
-    steady = sched.executed(once) - per_trip * runtime.SPARSE_BLOCK_Q * (calls > 1)  # no trip, if dynamic
+    steady = none.executed(once)  # a step's bundles, its loops over spans of slots (if any) run no trip
     per_call = steps_ * steady + batch * (sched.executed() - sched.executed(once)) + _fill_and_drain(sched)
     cycles = int(calls * per_call + per_trip * trips)
     return dataclasses.replace(
@@ -579,6 +572,24 @@ def sparse_report(report: KernelReport, sched: schedule.Schedule, family: str, p
         steps=steps_ * calls, cycles=cycles, step_dmas=dmas, step_dma_bytes=dma_bytes,
         call_bytes=calls * (steps_ * dma_bytes + batch * resident_bytes), loops=loops,
     )  # fmt: skip
+
+
+def sparse_windows(family: str, path: str, variant: str, kernel: str, shape, top_k: int):
+    """(the family's ``_runtime``, (rows per window, windows, dk accumulators)) of a sparse kernel of
+    ``variant`` at ``shape``: the family's own rule (``_runtime.sparse_key_windows``) for the dtype the
+    kernel gathers in and the accumulators it may hold."""
+    _, heads, _, head_dim, width = shape
+    if path and path not in sys.path:
+        sys.path.insert(0, path)
+    module = importlib.import_module(f"{family}.{variant}")
+    sparse = module._sparse
+    backward = kernel == "sparse_backward"
+    gather = sparse.SPARSE_BACKWARD_GATHER_DTYPE if backward else sparse.SPARSE_GATHER_DTYPE
+    most = sparse._runtime.SPARSE_DK_COPIES if backward else 0
+    windows = sparse._runtime.sparse_key_windows(
+        width, head_dim, heads, top_k, gather, module.VARIANT["q_dtype"], most
+    )
+    return sparse._runtime, windows
 
 
 def _window_trips(runtime, shape, top_k: int, rows: int, calls: int, bounds) -> np.ndarray:

@@ -1131,9 +1131,11 @@ def sparse_key_windows(num_blocks, head_dim, num_heads, top_k, gather_dtype, q_d
     top_k_pad = _geometry.sparse_top_k_pad(top_k)
     rows = lambda copies: sparse_vmem_rows(head_dim, num_heads, top_k_pad, gather_dtype, q_dtype, copies)
     window_rows, windows = _geometry.sparse_windows(num_blocks, rows(min(most_dk_copies, 1)))
-    keeps_windows = lambda n: rows(n) > 0 and _geometry.sparse_windows(num_blocks, rows(n))[1] == windows
     copies = most_dk_copies
-    while copies > 1 and not keeps_windows(copies):
+    while copies > 1:
+        most = rows(copies)
+        if most and _geometry.sparse_windows(num_blocks, most)[1] == windows:
+            break
         copies //= 2
     return window_rows, windows, copies
 
