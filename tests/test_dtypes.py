@@ -51,6 +51,28 @@ def test_quantize_fp8_per_token():
     )
 
 
+@pytest.mark.parametrize("e4m3b11", [True, False], ids=["e4m3b11-unpack", "astype"])
+def test_float8_upcast_is_exact_on_every_code(monkeypatch, e4m3b11):
+    # The kernels' float8 upcast: through e4m3b11fnuz's unpack (v5e, v5p, v6e, and interpret mode) or
+    # a plain astype (7x): every one of the 256 codes exact, subnormals, +-448 and NaN included.
+    from generated.csa_v4 import _runtime
+
+    monkeypatch.setattr(_runtime, "unpacks_e4m3b11", lambda: e4m3b11)
+    x = jax.lax.bitcast_convert_type(jnp.arange(256, dtype=jnp.uint8), jnp.float8_e4m3fn)
+    want = np.asarray(x, np.float32)
+    assert np.isnan(want).sum() == 2 and np.abs(want[~np.isnan(want)]).max() == 448.0
+    for dtype in (jnp.bfloat16, jnp.float32):
+        got = _runtime.upcast(x, dtype)  # eager: the route is chosen as it is traced, and jit would cache it
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32), want)  # NaN where NaN; -0 reads as 0
+
+
+def test_float8_upcast_route_off_a_tpu_is_the_e4m3b11_unpack():
+    from generated.csa_v4 import _runtime
+
+    assert jax.default_backend() != "tpu" and _runtime.unpacks_e4m3b11()
+
+
 def _quantised_problem(variant, shape, seed):
     """float32 q, k, weights and their float8 forms: k per token with k_scale, q per (token, head)
     with its scale folded into the weights (exact for relu: the scale is positive)."""

@@ -95,7 +95,7 @@ def _stacked_q(q_ref, heads, head_dim):
     heads.start + h at rows h * block_q onwards), upcast for the MXU (float8 -> bfloat16 is exact): one matmul of it against a key
     block pushes the keys into the MXU once for all of them, where a matmul per head would push them
     once per head."""
-    q = q_ref[heads].astype(jnp.bfloat16)  # [n, block_q, D]
+    q = _runtime.upcast(q_ref[heads], jnp.bfloat16)  # [n, block_q, D]
     return q.reshape(q.shape[0] * q.shape[1], head_dim)
 
 
@@ -113,7 +113,7 @@ def _put_heads(ref, heads, x, head_dim, *, add=False):
 
 def _k_block(k_ref, cols):
     """The keys of one compute block, ``[compute_w, D]``, upcast for the MXU (float8 -> bfloat16 is exact)."""
-    return k_ref[cols, :].astype(jnp.bfloat16)
+    return _runtime.upcast(k_ref[cols, :], jnp.bfloat16)
 
 
 def _head_weights(weights_ref, heads):
@@ -304,7 +304,7 @@ def _dk_kernel(
         dk_ref[...] = (softmax_scale * _runtime.rows_across(k_scale_ref[...], head_dim) * u).astype(
             dk_ref.dtype
         )
-        dk_scale_ref[...] = softmax_scale * _runtime.row_sums(k_ref[...].astype(jnp.float32) * u)
+        dk_scale_ref[...] = softmax_scale * _runtime.row_sums(_runtime.upcast(k_ref[...], jnp.float32) * u)
 
 
 def backward(cfg, softmax_scale, interpret, out_dtype, residuals, g):

@@ -95,8 +95,8 @@ def _stacked_q(q_ref, heads, head_dim):
     heads.start + h at rows h * block_q onwards), upcast for the MXU (float8 -> bfloat16 is exact): one matmul of it against a key
     block pushes the keys into the MXU once for all of them, where a matmul per head would push them
     once per head."""
-    return jnp.concatenate([_head(q_ref, h, head_dim) for h in range(heads.start, heads.stop)]).astype(
-        jnp.bfloat16
+    return _runtime.upcast(
+        jnp.concatenate([_head(q_ref, h, head_dim) for h in range(heads.start, heads.stop)]), jnp.bfloat16
     )
 
 
@@ -116,7 +116,7 @@ def _put_heads(ref, heads, x, head_dim, *, add=False):
 
 def _k_block(k_ref, cols):
     """The keys of one compute block, ``[compute_w, D]``, upcast for the MXU (float8 -> bfloat16 is exact)."""
-    return k_ref[cols, :].astype(jnp.bfloat16)
+    return _runtime.upcast(k_ref[cols, :], jnp.bfloat16)
 
 
 def _head_weights(weights_ref, heads):
@@ -317,7 +317,7 @@ def _dk_kernel(
         dk_ref[...] = (softmax_scale * _runtime.rows_across(k_scale_ref[...], head_dim) * u).astype(
             dk_ref.dtype
         )
-        dk_scale_ref[...] = softmax_scale * _runtime.row_sums(k_ref[...].astype(jnp.float32) * u)
+        dk_scale_ref[...] = softmax_scale * _runtime.row_sums(_runtime.upcast(k_ref[...], jnp.float32) * u)
 
 
 def backward(cfg, softmax_scale, interpret, out_dtype, residuals, g):

@@ -42,7 +42,7 @@ SPARSE_WORK = {"forward": 1, "backward": 5}
 
 def _sparse_query(q_ref, s, dtype):
     """Query ``s`` of the q block, all heads: ``[H, D]`` in ``dtype`` (a no-op, or an exact upcast)."""
-    return q_ref[s].astype(dtype)
+    return _runtime.upcast(q_ref[s], dtype)
 
 
 def _sparse_logits(q_s, gathered, precision):
