@@ -74,8 +74,12 @@ def test_score_topk_is_the_dense_selection_bit_for_bit(name):
     assert (counts == 0).any() and ((counts > 0) & (counts < 7)).any()
 
 
-def test_select_orders_ties_zeros_and_non_finite_entries():
-    scores = jnp.array([[0.0, -0.0, 1.0, 1.0, -jnp.inf, jnp.nan, jnp.inf, -2.0, 0.0]], jnp.float32)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_select_orders_ties_zeros_and_non_finite_entries(dtype):
+    # bfloat16 sorts one unique key (its score's bits and the slot), float32 a stable sort of the key
+    key = jnp.zeros((1, 8), jnp.uint32)
+    assert topk_module._order_keys(key, dtype, 8)[1] == (dtype == jnp.bfloat16)
+    scores = jnp.array([[0.0, -0.0, 1.0, 1.0, -jnp.inf, jnp.nan, jnp.inf, -2.0, 0.0]], dtype)
     index, values = topk_module.select(scores, 8, interpret=True)
     np.testing.assert_array_equal(np.asarray(index), [[2, 3, 0, 8, 1, 7, -1, -1]])
     assert np.signbit(np.asarray(values)[0, 4]) and np.isneginf(np.asarray(values)[0, 6:]).all()
