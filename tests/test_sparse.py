@@ -141,6 +141,21 @@ def _lowered_loss(module, shape, top_k):
     return support.lower_for_tpu(jax.value_and_grad(losses, argnums=(0, 1, 2)), q, k, weights)
 
 
+@pytest.mark.parametrize("num_blocks", [40, 2**31 // 64], ids=["one-key", "stable-argsort"])
+def test_windowed_slot_orders_sort_by_block_ties_to_the_lower_slot(num_blocks):
+    # the windowed route's per-query order of the slots: one unique int32 key (block, slot) sorted
+    # unstably where it fits, a stable argsort where it does not; both are NumPy's stable argsort
+    rng = np.random.default_rng(3)
+    key = rng.integers(0, 41, (2, 5, 64)).astype(np.int32)  # duplicates; 40 stands for "no block"
+    order, unorder = _runtime.slot_orders(jnp.asarray(key), num_blocks)
+    assert order.dtype == unorder.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(order), np.argsort(key, axis=-1, kind="stable"))
+    np.testing.assert_array_equal(
+        np.take_along_axis(np.asarray(order), np.asarray(unorder), -1),
+        np.broadcast_to(np.arange(64), key.shape),
+    )
+
+
 def test_sparse_score_and_indexer_loss_lower_for_tpu(sparse_module):
     """The sparse kernels (forward and backward, inside the gradient of both losses) pass Mosaic's TPU
     lowering at a realistic top_k (CI's compile gate compiles them with libtpu too)."""

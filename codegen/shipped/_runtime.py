@@ -1259,15 +1259,28 @@ def sparse_prepare(variant, q, k, weights, indices, k_scale, gather_dtype, most_
     else:  # a window's slots together in each query's row: its calls visit those only
         k = pad_to(k, 1, num_windows * window_rows)
         key = jnp.where(pad_slots(valid), pad_slots(rows), num_blocks)  # padding and empty slots last
-        order = jnp.argsort(key, axis=2, stable=True)
-        unorder = jnp.argsort(order, axis=2).astype(jnp.int32)
-        order = order.astype(jnp.int32)
+        order, unorder = slot_orders(key, num_blocks)
     return SparseOperands(
         pad_to(q, 1, seq_pad), k, pad_to(weights.astype(ACCUM_DTYPE), 1, seq_pad),
         pad_slots(rows), pad_slots(valid), order, unorder, valid, slot_scale,
         batch, num_heads, seq_len, num_blocks, head_dim, top_k, seq_pad, top_k_pad, window_rows, num_windows,
         dk_copies, vmem_limit,
     )  # fmt: skip
+
+
+def slot_orders(key, num_blocks):
+    """(order, unorder), int32: each query's slots (the last axis) sorted by ``key`` (a block, or
+    ``num_blocks`` for none), a tie to the lower slot, and the inverse permutation. Where a block and a
+    slot fit one int32 key, unique per slot, both are unstable sorts: a stable argsort makes XLA add a
+    two-key comparator (v6e, [8192, 512]: 0.67 Mcycles for both, against 0.29)."""
+    slots = key.shape[-1]
+    slot = jax.lax.broadcasted_iota(jnp.int32, key.shape, key.ndim - 1)
+    if (num_blocks + 1) * slots <= jnp.iinfo(jnp.int32).max:
+        _, order = jax.lax.sort((key * slots + slot, slot), dimension=key.ndim - 1, num_keys=1, is_stable=False)
+    else:
+        order = jnp.argsort(key, axis=-1, stable=True).astype(jnp.int32)
+    _, unorder = jax.lax.sort((order, slot), dimension=key.ndim - 1, num_keys=1, is_stable=False)
+    return order, unorder
 
 
 def over_key_windows(x, call):
