@@ -319,6 +319,17 @@ def _order_keys(key, dtype, top_k):
     return (~key >> (32 - bits)) << slot_bits | slot, True
 
 
+def _scores_of_order_keys(order, dtype, top_k):
+    """The scores (``dtype``) whose unique ``_order_keys`` are ``order``: the key's significant bits
+    back from under the slot, the low bits as ``_keys`` leaves them (0 for a positive score, 1 for a
+    negative one, whose key is its complement), then ``_keys`` undone."""
+    bits = SIGNIFICANT_BITS[jnp.dtype(dtype)]
+    key = ~(order >> max(1, (top_k - 1).bit_length())) << (32 - bits)
+    key = jnp.where(key >> 31 == 1, key, key | jnp.uint32((1 << (32 - bits)) - 1))
+    f32 = jnp.where(key >> 31 == 1, key & jnp.uint32(0x7FFFFFFF), ~key)
+    return jax.lax.bitcast_convert_type(f32, jnp.float32).astype(dtype)
+
+
 def select(scores, top_k, interpret=False, name="topk_threshold", kv_start=None, kv_end=None):
     """The top_k entries of each row of ``scores`` [..., W] (any float dtype): (int32 indices, scores
     there), highest first, a tie to the lower index, index -1 and ``MASKED_VALUE`` past the row's
@@ -333,8 +344,11 @@ def select(scores, top_k, interpret=False, name="topk_threshold", kv_start=None,
     # the kept blocks' keys from their gathered scores: the keys of the chunk are never held whole
     key = jnp.where(filled, _keys(jnp.take_along_axis(scores, jnp.minimum(index, width - 1), axis=-1)), 0)
     order, unique = _order_keys(key, scores.dtype, top_k)  # score order, a tie to the lower block
-    _, index = jax.lax.sort((order, index), dimension=-1, num_keys=1, is_stable=not unique)
-    values = jnp.take_along_axis(scores, jnp.minimum(index, width - 1), axis=-1)
+    order, index = jax.lax.sort((order, index), dimension=-1, num_keys=1, is_stable=not unique)
+    if unique:  # the sorted keys hold the scores' bits: no gather
+        values = _scores_of_order_keys(order, scores.dtype, top_k)
+    else:
+        values = jnp.take_along_axis(scores, jnp.minimum(index, width - 1), axis=-1)
     masked = jnp.asarray(_runtime.MASKED_VALUE, scores.dtype)
     return jnp.where(filled, index, -1).astype(jnp.int32), jnp.where(filled, values, masked)
 
