@@ -1276,7 +1276,8 @@ def slot_orders(key, num_blocks):
     slots = key.shape[-1]
     slot = jax.lax.broadcasted_iota(jnp.int32, key.shape, key.ndim - 1)
     if (num_blocks + 1) * slots <= jnp.iinfo(jnp.int32).max:
-        _, order = jax.lax.sort((key * slots + slot, slot), dimension=key.ndim - 1, num_keys=1, is_stable=False)
+        unique = key * slots + slot
+        _, order = jax.lax.sort((unique, slot), dimension=key.ndim - 1, num_keys=1, is_stable=False)
     else:
         order = jnp.argsort(key, axis=-1, stable=True).astype(jnp.int32)
     _, unorder = jax.lax.sort((order, slot), dimension=key.ndim - 1, num_keys=1, is_stable=False)

@@ -311,12 +311,16 @@ def _order_keys(key, dtype, top_k):
     up to 65536) both go into one unique key: an unstable sort of it and the indices compiled to 0.29
     Mcycles against 0.79 for a stable sort, which adds an iota and a two-key comparator (v6e, [8192,
     512]). Else (float32 scores) it is the complement of the key, and ties need a stable sort."""
-    bits = SIGNIFICANT_BITS.get(jnp.dtype(dtype), 32)
-    slot_bits = max(1, (top_k - 1).bit_length())
+    bits, slot_bits = SIGNIFICANT_BITS.get(jnp.dtype(dtype), 32), _slot_bits(top_k)
     if bits + slot_bits > 32:
         return ~key, False
     slot = jnp.arange(top_k, dtype=jnp.uint32)
     return (~key >> (32 - bits)) << slot_bits | slot, True
+
+
+def _slot_bits(top_k):
+    """Bits of a slot of top_k in ``_order_keys``."""
+    return max(1, (top_k - 1).bit_length())
 
 
 def _scores_of_order_keys(order, dtype, top_k):
@@ -324,7 +328,7 @@ def _scores_of_order_keys(order, dtype, top_k):
     back from under the slot, the low bits as ``_keys`` leaves them (0 for a positive score, 1 for a
     negative one, whose key is its complement), then ``_keys`` undone."""
     bits = SIGNIFICANT_BITS[jnp.dtype(dtype)]
-    key = ~(order >> max(1, (top_k - 1).bit_length())) << (32 - bits)
+    key = ~(order >> _slot_bits(top_k)) << (32 - bits)
     key = jnp.where(key >> 31 == 1, key, key | jnp.uint32((1 << (32 - bits)) - 1))
     f32 = jnp.where(key >> 31 == 1, key & jnp.uint32(0x7FFFFFFF), ~key)
     return jax.lax.bitcast_convert_type(f32, jnp.float32).astype(dtype)
