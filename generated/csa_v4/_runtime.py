@@ -1257,19 +1257,25 @@ def sparse_prepare(variant, q, k, weights, indices, k_scale, gather_dtype, most_
     if k_scale is not None:
         slot_scale = jnp.take_along_axis(k_scale, rows.reshape(batch, -1), axis=1).reshape(rows.shape)
     pad_slots = lambda a: pad_to(pad_to(a, 2, top_k_pad), 1, seq_pad)
+    padded_rows, in_range = pad_slots(rows), pad_slots(valid)
     order = unorder = None
     if num_windows == 1:
         k = k.astype(ACCUM_DTYPE)
     else:  # a window's slots together in each query's row: its calls visit those only
         k = pad_to(k, 1, num_windows * window_rows)
-        key = jnp.where(pad_slots(valid), pad_slots(rows), num_blocks)  # padding and empty slots last
-        order, unorder = slot_orders(key, num_blocks)
+        order, unorder = slot_orders(block_keys(padded_rows, in_range, num_blocks), num_blocks)
     return SparseOperands(
         pad_to(q, 1, seq_pad), k, pad_to(weights.astype(ACCUM_DTYPE), 1, seq_pad),
-        pad_slots(rows), pad_slots(valid), order, unorder, valid, slot_scale,
+        padded_rows, in_range, order, unorder, valid, slot_scale,
         batch, num_heads, seq_len, num_blocks, head_dim, top_k, seq_pad, top_k_pad, window_rows, num_windows,
         dk_copies, vmem_limit,
     )  # fmt: skip
+
+
+def block_keys(rows, in_range, num_blocks):
+    """Each slot's block to sort the slots by: ``num_blocks`` for an empty or padding slot, so those
+    come last (``slot_orders``, ``window_spans``)."""
+    return jnp.where(in_range, rows, num_blocks)
 
 
 def slot_orders(key, num_blocks):
@@ -1304,7 +1310,7 @@ def over_key_windows(x, call):
     if x.num_windows == 1:
         return call(None, x.k, x.rows, None, None, 0)
     rows, in_range = x.in_call_order(x.rows), x.in_call_order(x.in_range)
-    key = jnp.where(in_range, rows, x.num_blocks)  # ascending along each query's slots
+    key = block_keys(rows, in_range, x.num_blocks)  # ascending along each query's slots
 
     def window(done, index):
         start = index * x.window_rows
