@@ -91,7 +91,8 @@ def main(argv=None) -> int:
     for r in rows:
         if r.ok and r.mask == "causal" and r.chip in MAXTEXT_STEP:
             plan = next(p for p in plans if p.name == r.variant)
-            per_step = (plan.head_chunk or shape[1]) * plan.block_q * plan.block_w  # logits a step covers
+            heads = plan.head_chunk if "c" in plan.kernel(r.kernel).axes else shape[1]  # heads a step covers
+            per_step = heads * plan.block_q * plan.block_w  # logits a step covers
             cells = [
                 f"{n:9,d} {n * MAXTEXT_LOGITS / per_step / MAXTEXT_STEP[r.chip]:6.2f}x"
                 for n in (r.report.executed, r.report.straight_line)

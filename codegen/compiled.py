@@ -67,16 +67,16 @@ class Branches:
 # the compiler lays the regions out (an if/else may come else-first). A compute block with work is
 # masked unconditionally: no region of its own.
 BRANCHES = {
-    # all heads in a step: the empty block's masked store, else the masked scores
+    # all heads in a step (a head chunk per matmul, if chunked): the empty block's masked store, else the
+    # masked scores
     ("forward", False): Branches(per_block=(("empty", ()), ("work", ()))),
-    # a head chunk per step: a block with work adds (the first chunk's starts the sum); store at the last
-    ("forward", True): Branches(per_block=(("work", ()), ("work_last", ()), ("empty_last", ()))),
     # a block with work (the q block's first one starts the sum of u: no region zeroes it); the finish
     # at the last step
     ("dq_dweights", False): Branches(per_block=(("work", ()),), epilogue=(("last", ()),)),
     # zero at the reduction's first step; a block with work; store at the last
     ("dk", False): Branches(prologue=(("first", ()),), per_block=(("work", ()),), epilogue=(("last", ()),)),
 }  # fmt: skip
+BRANCHES[("forward", True)] = BRANCHES[("forward", False)]
 BRANCHES[("dq_dweights", True)] = BRANCHES[("dq_dweights", False)]
 BRANCHES[("dk", True)] = BRANCHES[("dk", False)]
 
@@ -247,9 +247,9 @@ def _fill_and_drain(sched: schedule.Schedule) -> int:
 
 def reduction_flags(kp: KernelPlan, extents: dict[str, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Over the kernel's grid (indexed in ``AXES`` order b, i, j, c): each step's (b, i, j) and whether it is
-    its reduction's first and last step."""
+    its reduction's first and last step (an axis the kernel's grid lacks has one step)."""
     names = "bijc"
-    grid = np.indices([extents[a] for a in names]).reshape(4, -1)
+    grid = np.indices([extents[a] if a in kp.axes else 1 for a in names]).reshape(4, -1)
     first = np.ones(grid.shape[1], bool)
     last = np.ones(grid.shape[1], bool)
     for axis in kp.reduced:

@@ -94,18 +94,22 @@ def test_head_major_bf16_chunked():
     # (VMEM [128, 128] bf16 32768); kv [128, 2] int32 1024 (VMEM 65536); tile [128, 1024] bf16 262144.
     costs = _by_kernel(HM_BF16, (1, 32, 256, 128, 2048))
     fwd, dq, dk = costs["forward"], costs["dq_dweights"], costs["dk"]
-    assert fwd.blocks["q"] == (16, 128, 128) and fwd.blocks["weights"] == (128, 16)
-    # Forward grid (b, i, j, c) = (1, 2, 2, 2): q, weights follow c (innermost): 8; k, out follow j: 4; kv 2.
-    # HBM 8*524288 + 4*262144 + 8*4096 + 2*1024 + 4*262144 = 6326272.
-    assert fwd.grid == (1, 2, 2, 2)
-    assert fwd.hbm_bytes == 6326272
+    # The forward holds every head of the q block (a chunk per matmul): q [32, 128, 128] bf16 1048576,
+    # weights [2 chunks, 128, 16] 8192 (VMEM [2, 128, 128] bf16 65536).
+    assert fwd.blocks["q_all_heads"] == (32, 128, 128) and fwd.blocks["weights_all_heads"] == (2, 128, 16)
+    # Forward grid (b, i, j) = (1, 2, 2): q, weights follow i: 2; k, out follow j (innermost): 4; kv 2.
+    # HBM 2*1048576 + 4*262144 + 2*8192 + 2*1024 + 4*262144 = 4212736 (a grid step per chunk read q
+    # per w tile: 8 chunk blocks, 6326272 in all).
+    assert fwd.grid == (1, 2, 2)
+    assert fwd.fetches == {"q_all_heads": 2, "k": 4, "weights_all_heads": 2, "kv_bounds": 2, "out": 4}
+    assert fwd.hbm_bytes == 4212736
     # Min: q 32*256*128*2 = 2097152, k 524288, weights 16384, kv 2048, out 256*2048*2 = 1048576.
     assert fwd.min_hbm_bytes == 3688448
-    # VMEM: 2 * (524288 + 262144 + 32768 + 65536 + 262144) = 2293760; the f32 [128, 1024] accumulator
-    # 524288; the chunk's stacked q [16 * 128, 128] bf16 524288; 2 f32 tiles of one compute block
-    # (the whole tile) [128, 1024]: 2 * 524288.
-    assert fwd.vmem_bytes == 2293760 + 524288 + 524288 + 2 * 524288
-    assert fwd.vmem_bytes_unpadded == 2 * (524288 + 262144 + 4096 + 1024 + 262144) + 4 * 524288
+    # VMEM: 2 * (1048576 + 262144 + 65536 + 65536 + 262144) = 3407872, no scratch; a chunk's stacked q
+    # [16 * 128, 128] bf16 524288; 3 f32 tiles of one compute block (the whole tile) [128, 1024]: the
+    # chunk's head sum, the running sum over chunks, the scores: 3 * 524288.
+    assert fwd.vmem_bytes == 3407872 + 524288 + 3 * 524288
+    assert fwd.vmem_bytes_unpadded == 2 * (1048576 + 262144 + 8192 + 1024 + 262144) + 4 * 524288
     # 2*32*256*2048*128 = 2**32 matmul, 3*32*256*2048 = 3 * 2**24 elementwise, the mask once on
     # 256*2048 entries: 6 * 2**19.
     assert (fwd.flops, fwd.mxu_flops) == (2**32 + 3 * 2**24 + 6 * 2**19, 2**32)
@@ -221,7 +225,7 @@ def test_tiling_matches_generated_modules():
 
 def test_vmem_footprints_are_full_tiles():
     assert cost.vmem_footprints(HM_BF16, 32, 128) == {  # see test_head_major_bf16_chunked
-        "forward": 2293760 + 524288 + 524288 + 2 * 524288,
+        "forward": 3407872 + 524288 + 3 * 524288,
         "dq_dweights": 3407872 + 1048576 + 524288 + 8388608 + 4194304 + 524288,
         "dk": 2818048 + 524288 + 524288 + 8388608 + 2 * 4194304 + 524288,
     }
@@ -244,12 +248,15 @@ def test_chip_facts():
 def test_roofline():
     v6e = chips.get("v6e")
     [fwd, *_] = cost.variant_costs(HM_BF16, (1, 64, 8192, 128, 2048))
-    # 2**38 MXU + 3 * 2**30 elementwise FLOPs and the mask's 6 * 2**24 at 920e12/s, against 337707008
-    # bytes at 1.64e12 B/s: compute bound.
+    # 2**38 MXU + 3 * 2**30 elementwise FLOPs and the mask's 6 * 2**24 at 920e12/s, against 202440704
+    # bytes at 1.64e12 B/s: compute bound. 128 x 1024 tiles: 64 q blocks x 2 w tiles. Every head of a q
+    # block, [64, 128, 128] bf16, once per q block: 64 * 2097152; k [1024, 128] and the out tile
+    # [128, 1024] bf16 per step: 2 * 128 * 262144; the weights [4, 128, 16] bf16 per q block: 64 * 16384;
+    # kv_bounds [128, 2] int32: 64 * 1024.
     vpu = 3 * 2**30 + 6 * 2**24
     assert fwd.roofline_seconds(v6e) == pytest.approx((2**38 + vpu) / 920e12)
-    assert fwd.memory_seconds(v6e) == pytest.approx(337707008 / 1.64e12)
-    assert fwd.intensity() == pytest.approx((2**38 + vpu) / 337707008)
+    assert fwd.memory_seconds(v6e) == pytest.approx(202440704 / 1.64e12)
+    assert fwd.intensity() == pytest.approx((2**38 + vpu) / 202440704)
     # f32 inputs run at 1/6 of the bf16 rate.
     [f32_fwd, *_] = cost.variant_costs(
         family().plan("tpu_hm_f32_q256_w2048c512_hc16"), (1, 64, 8192, 128, 2048)
@@ -264,14 +271,16 @@ def test_float8_keys_with_scale():
     fp8 = _replan(HM_BF16, policy=policy)
     costs = _by_kernel(fp8, (1, 32, 256, 128, 2048))
     fwd, dq, dk = costs["forward"], costs["dq_dweights"], costs["dk"]
-    # Forward: q [16, 128, 128] 262144 x 8; k [1024, 128] 131072 x 4; weights 4096 x 8; kv 1024 x 2;
-    # k_scale [1, 1024] f32 4096 x 4 (follows j); out 262144 x 4.
+    # Forward, every head of the q block a step: q [32, 128, 128] 524288 x 2; k [1024, 128] 131072 x 4;
+    # weights [2, 128, 16] bf16 8192 x 2; kv 1024 x 2; k_scale [1, 1024] f32 4096 x 4 (follows j); out
+    # 262144 x 4.
     assert fwd.blocks["k_scale"] == (1, 1024) and fwd.fetches["k_scale"] == 4
-    assert fwd.hbm_bytes == 8 * 262144 + 4 * 131072 + 8 * 4096 + 2 * 1024 + 4 * 4096 + 4 * 262144
-    # VMEM: 2 * (262144 + 131072 + 32768 + 65536 + k_scale [1 -> 8, 1024] f32 32768 + 262144) = 1572864;
-    # the f32 accumulator [128, 1024] 524288 and 2 f32 compute-block tiles [128, 1024] 1048576; bf16
-    # upcasts of the chunk's stacked q [16 * 128, 128] 524288 and of a compute block of k [1024, 128] 262144.
-    assert fwd.vmem_bytes == 1572864 + 524288 + 1048576 + 524288 + 262144
+    assert fwd.hbm_bytes == 2 * 524288 + 4 * 131072 + 2 * 8192 + 2 * 1024 + 4 * 4096 + 4 * 262144
+    # VMEM: 2 * (524288 + 131072 + weights [2, 128, 16 -> 128] bf16 65536 + 65536 + k_scale [1 -> 8, 1024]
+    # f32 32768 + 262144) = 2162688; 3 f32 compute-block tiles [128, 1024] 1572864 (a chunk's head sum,
+    # the sum over chunks, the scores); bf16 upcasts of a chunk's stacked q [16 * 128, 128] 524288 and of
+    # a compute block of k [1024, 128] 262144.
+    assert fwd.vmem_bytes == 2162688 + 1572864 + 524288 + 262144
     # Min bytes of dq_dweights: q 32*256*128*1 = 1048576, k 262144, weights 16384, kv 2048, k_scale 2048*4,
     # g 1048576, dq in bf16 2097152, dweights 16384.
     assert dq.fetches["dq"] == 4

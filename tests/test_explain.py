@@ -98,13 +98,14 @@ def test_explain_the_production_variant(capsys):
     out = capsys.readouterr().out
     lines = {line.split()[1]: line for line in out.splitlines() if line.startswith(PRODUCTION)}
     assert set(lines) == {"forward", "dq_dweights", "dk"}
-    # forward: grid (B, q blocks, w blocks, chunks) = 1 x 32 x 1 x 4; 2 * 64 * 8192 * 2048 * 128 = 2**38
-    # MXU FLOPs (274.9 GFLOP), 3 elementwise operations per entry (3 * 2**30) and the mask's 6 per
-    # (query, block) (6 * 2**24): 3.3 Gop.
-    assert (
-        "1x32x1x4" in lines["forward"] and "  274.9  " in lines["forward"] and "  3.3  " in lines["forward"]
-    )
-    assert "k [2048, 128]" in out and "q [16, 256, 128]" in out
+    # forward: grid (B, q blocks, w blocks) = 1 x 32 x 1, every head in a step (a chunk per matmul);
+    # 2 * 64 * 8192 * 2048 * 128 = 2**38 MXU FLOPs (274.9 GFLOP), 3 elementwise operations per entry
+    # (3 * 2**30) and the mask's 6 per (query, block) (6 * 2**24): 3.3 Gop. The gradient's grids have
+    # the chunk axis: 1 x 32 x 4 x 1 (dq_dweights), 1 x 1 x 32 x 4 (dk).
+    grids = {kernel: line.split()[2] for kernel, line in lines.items()}
+    assert grids == {"forward": "1x32x1", "dq_dweights": "1x32x4x1", "dk": "1x1x32x4"}
+    assert "  274.9  " in lines["forward"] and "  3.3  " in lines["forward"]
+    assert "k [2048, 128]" in out and "q [16, 256, 128]" in out and "q_all_heads [64, 256, 128]" in out
 
 
 def test_explain_json_and_causal(capsys):

@@ -5,7 +5,7 @@
 logits tile by tile in VMEM and never hold a [B, H, S, W] (nor [B, S, W]) tensor.
 
 Shared by tpu_hm_bf16_q16_w128_hcall, tpu_hm_bf16_q256_w2048c512_hcall, tpu_hm_f32_q128_w1024c512_hcall, tpu_hm_f32_q16_w128_hcall, tpu_hm_f32_q16_w128_hcall_refbwd. Each passes its ``_runtime.Config`` as ``cfg``: tiling, dtypes, MXU precision, VMEM limits.
-Grid axes: b batch, i q block, j w tile, c head chunk. A grid step's tiles are one DMA each; inside
+Grid axes: b batch, i q block, j w tile. A grid step's tiles are one DMA each; inside
 it every kernel steps through block_w // compute_w compute blocks: one that no query of the q block
 may see (by two int32 of the q block) does no work; one with work contracts its heads stacked into
 one matmul and applies the mask. A grid step whose tiles no query may see does nothing and fetches

@@ -69,7 +69,7 @@ CONFIG = _runtime.Config(  # the kernel plan's facts the shared kernels take fro
         "dk": (3, 2, 6, True, 0, 0, 0),
     },
     # Scoped VMEM to compile each kernel with (None: the chip's default); codegen sized it for v5e, v5p, v6e, 7x.
-    vmem_limit_bytes={"forward": 24117248, "dq_dweights": 59768832, "dk": 61865984},
+    vmem_limit_bytes={"forward": 36700160, "dq_dweights": 59768832, "dk": 61865984},
 )
 
 

@@ -70,7 +70,7 @@ CONFIG = _runtime.Config(  # the kernel plan's facts the shared kernels take fro
         "dk": (3, 2, 6, True, 0, 0, 0),
     },
     # Scoped VMEM to compile each kernel with (None: the chip's default); codegen sized it for v5e, v5p, v6e, 7x.
-    vmem_limit_bytes={"forward": None, "dq_dweights": 38797312, "dk": 35651584},
+    vmem_limit_bytes={"forward": 22020096, "dq_dweights": 38797312, "dk": 35651584},
 )
 
 
