@@ -47,8 +47,6 @@ CONDITIONS = {
     "partial": lambda kind, first, last: kind == "partial",
     "first": lambda kind, first, last: first,
     "last": lambda kind, first, last: last,
-    "work_last": lambda kind, first, last: kind != "empty" and last,
-    "empty_last": lambda kind, first, last: kind == "empty" and last,
 }
 KINDS = ("empty", "full", "partial")
 
