@@ -237,9 +237,9 @@ def test_kernels_use_scalar_prefetch(kernels_module):
 
 
 def test_scalar_prefetch_stays_far_below_smem_at_the_largest_context():
-    """At 1M tokens (S = 1048576, W = 262144, the README's largest claim), the production tiling's
-    scalar-prefetch arrays, every kernel's together, fill under a fifth of SMEM's 1 MiB: no table per
-    (q block, compute block), a few int32 per q block and per w tile."""
+    """At 1M tokens (S = 1048576, W = 262144, the largest context docs/design.md claims), the
+    production tiling's scalar-prefetch arrays, every kernel's together, fill under a fifth of SMEM's
+    1 MiB: no table per (q block, compute block), a few int32 per q block and per w tile."""
     module = VARIANTS["tpu_hm_bf16_q256_w2048c512_hc16"]
     seq_len, num_blocks = 2**20, 2**18
     kv_start, kv_end = causal_kv_range(jnp.arange(seq_len)[None], 4)

@@ -72,8 +72,9 @@ def test_executed_mxu_work_is_the_plans_work_model():
 def test_causal_prefill_at_the_production_tiling_leaves_five_eighths_of_the_work():
     """DeepSeek-V4 prefill, S = 8192, W = 2048, causal: the executed-work model (held to the executed
     count above) against the same call unmasked, per kernel, for the production tiling. Its 256 x 1024
-    tiles are two 512-wide compute blocks each (the compiler's pick: README, "Tilings ranked by the
-    compiler"): q block i has work in ceil((i + 1) / 8) of its 4 compute blocks, 80 of 128."""
+    tiles are two 512-wide compute blocks each (the compiler's pick: docs/performance.md, "Tilings
+    ranked by the compiler"): q block i has work in ceil((i + 1) / 8) of its 4 compute blocks, 80 of
+    128."""
     shape = (1, 64, 8192, 128, 2048)
     the_plan = family().plan(PRODUCTION)
     kinds = cost.causal_kinds(cost.tiling(the_plan, shape), family().spec.computation.compress_rate)
