@@ -1224,9 +1224,10 @@ class SparseOperands(NamedTuple):
 
 
 def flat_rows(rows):
-    """``rows`` ``[B, S_pad, top_k_pad]`` as ``[B, S_pad * top_k_pad]``: a q block's indices one flat SMEM
-    block, whose addresses are a base plus the slot (a 2-D SMEM block costs address arithmetic per slot)."""
-    return rows.reshape(rows.shape[0], -1)
+    """``rows`` ``[B, S_pad, top_k_pad]`` as one flat ``[B * S_pad * top_k_pad]`` array: a q block's indices
+    one flat SMEM block, whose addresses are a base plus the slot (a 2-D SMEM block costs address
+    arithmetic per slot, and Mosaic takes an SMEM block of one batch row of a 2-D array only at B = 1)."""
+    return rows.reshape(-1)
 
 
 def sparse_prepare(variant, q, k, weights, indices, k_scale, gather_dtype, most_dk_copies=0):
@@ -1323,11 +1324,12 @@ def over_key_windows(x, call):
 def window_spans(key, lo, hi):
     """Per query, the slots ``[first, end)`` whose sorted ``key`` (``[B, S_pad, top_k_pad]``) lies in
     ``[lo, hi)``, as the kernels read them: int32 ``[B, S_pad / SPARSE_BLOCK_Q * 128]``, 128 words a q
-    block, its ``(first, end)`` pairs in the first 2 * SPARSE_BLOCK_Q (one flat SMEM block a step)."""
+    block, its ``(first, end)`` pairs in the first 2 * SPARSE_BLOCK_Q (one flat SMEM block a step), flat
+    over the batch too (``flat_rows``)."""
     first = jnp.sum(key < lo, axis=2, dtype=jnp.int32)
     end = jnp.sum(key < hi, axis=2, dtype=jnp.int32)
     pairs = jnp.stack([first, end], axis=2).reshape(key.shape[0], -1, 2 * _geometry.SPARSE_BLOCK_Q)
-    return pad_to(pairs, 2, _geometry.LANES).reshape(key.shape[0], -1)
+    return pad_to(pairs, 2, _geometry.LANES).reshape(-1)
 
 
 def span_trips(first, end, unroll):
@@ -1354,9 +1356,9 @@ def sparse_block_specs(x):
     element's, for a prefetch at most once per b, at the cost of half the rows that fit; everything
     else is one q block's.
     """
-    qb = _geometry.SPARSE_BLOCK_Q
+    qb, nq = _geometry.SPARSE_BLOCK_Q, x.num_q_blocks
     return dict(
-        rows=pl.BlockSpec((None, qb * x.top_k_pad), lambda b, i: (b, i), memory_space=pltpu.SMEM),
+        rows=pl.BlockSpec((qb * x.top_k_pad,), lambda b, i: (b * nq + i,), memory_space=pltpu.SMEM),
         q=pl.BlockSpec((None, qb, x.num_heads, x.head_dim), lambda b, i: (b, i, 0, 0)),
         k=pl.BlockSpec(
             (None, x.window_rows, x.head_dim), lambda b, i: (b, 0, 0), pipeline_mode=pl.Buffered(1)
@@ -1366,7 +1368,7 @@ def sparse_block_specs(x):
         ),
         weights=pl.BlockSpec((None, qb, x.num_heads), lambda b, i: (b, i, 0)),
         slots=pl.BlockSpec((None, qb, x.top_k_pad), lambda b, i: (b, i, 0)),
-        spans=pl.BlockSpec((None, _geometry.LANES), lambda b, i: (b, i), memory_space=pltpu.SMEM),
+        spans=pl.BlockSpec((_geometry.LANES,), lambda b, i: (b * nq + i,), memory_space=pltpu.SMEM),
     )
 
 
