@@ -1,19 +1,49 @@
-"""Suite-wide settings, applied before JAX starts its CPU backend, and the per-variant fixture."""
+"""Suite-wide settings, applied before JAX starts its backend, and the per-variant fixtures.
+
+Two ways to run the suite:
+
+- on the CPU (the default, and CI): the kernels run in Pallas' interpret mode; every test runs.
+- on a TPU, ``CSA_ON_CHIP=1 python -m pytest -m chip -p no:xdist``: the tests marked ``chip`` run their
+  kernels compiled by Mosaic on the chip (no interpret mode), in one process, since one program at a
+  time holds a TPU. Only ``chip`` tests run then (``-m chip`` is implied); the references still
+  compute on the CPU, in float32 at HIGHEST precision.
+"""
 
 import os
 
-# Interpret-mode kernels are tiny programs run once: XLA's CPU compile dominates the suite's time,
-# and its backend optimisations (which do not change float semantics) cost more than they save.
-os.environ["XLA_FLAGS"] = " ".join(
-    flag for flag in (os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0") if flag
-)
-# The suite runs on the CPU. With libtpu installed (the tpu extra, for the compile tests) JAX would try,
-# and fail, to start a TPU backend first; the TPU compiler runs in child processes of its own.
-os.environ["JAX_PLATFORMS"] = "cpu"
+ON_CHIP = os.environ.get("CSA_ON_CHIP", "") == "1"
+
+if not ON_CHIP:
+    # Interpret-mode kernels are tiny programs run once: XLA's CPU compile dominates the suite's time,
+    # and its backend optimisations (which do not change float semantics) cost more than they save.
+    os.environ["XLA_FLAGS"] = " ".join(
+        flag for flag in (os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0") if flag
+    )
+    # The suite runs on the CPU. With libtpu installed (the tpu extra, for the compile tests) JAX would
+    # try, and fail, to start a TPU backend first; the TPU compiler runs in child processes of its own.
+    os.environ["JAX_PLATFORMS"] = "cpu"
+else:
+    # The chip for the kernels, the CPU beside it for the float32 references.
+    os.environ["JAX_PLATFORMS"] = "tpu,cpu"
 
 import pytest  # noqa: E402
 
 from generated.csa_v4 import VARIANTS  # noqa: E402
+
+
+def pytest_configure(config):
+    """On the chip only the ``chip`` tests run; without a TPU there the run stops at once, saying so."""
+    if not ON_CHIP:
+        return
+    import jax
+
+    if jax.default_backend() != "tpu":
+        raise pytest.UsageError(
+            f"CSA_ON_CHIP=1 needs a TPU, but JAX's default backend is {jax.default_backend()!r}"
+        )
+    if config.pluginmanager.hasplugin("xdist") and getattr(config.option, "numprocesses", None):
+        raise pytest.UsageError("CSA_ON_CHIP=1 runs in one process (one program holds the chip): drop -n")
+    config.option.markexpr = f"({config.option.markexpr}) and chip" if config.option.markexpr else "chip"
 
 
 @pytest.fixture(params=sorted(VARIANTS))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,19 +11,39 @@ import numpy as np
 from codegen import reference
 from tests.tolerances import rtol
 
+# CSA_ON_CHIP=1 (tests/conftest.py): the ``chip`` tests compile their kernels for the TPU they run on.
+ON_CHIP = os.environ.get("CSA_ON_CHIP", "") == "1"
+# What a ``chip`` test passes as ``interpret``: interpret mode on the CPU, Mosaic on the chip.
+INTERPRET = not ON_CHIP
+
 
 # TPU-faithful interpretation: uninitialised VMEM and outputs read as NaN, races and
-# out-of-bounds block reads are reported.
+# out-of-bounds block reads are reported. On the chip: the chip itself (False).
 def tpu_interpret_params():
+    if ON_CHIP:
+        return False
     from jax.experimental.pallas import tpu as pltpu
 
     return pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan", out_of_bounds_reads="raise")
 
 
 def races_found() -> bool:
+    """Races the TPU interpreter saw (none can be seen on the chip, where nothing is interpreted)."""
+    if ON_CHIP:
+        return False
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 
     return bool(interpret_pallas_call.races is not None and interpret_pallas_call.races.races_found)
+
+
+def on_cpu(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` computed on the CPU, whatever device the arrays are on: the references
+    are float32 at HIGHEST precision, and the CPU's float32 matmul is exact float32 everywhere."""
+    cpu = jax.devices("cpu")[0]
+    to_cpu = lambda x: jax.device_put(x, cpu) if isinstance(x, (jax.Array, np.ndarray)) else x
+    args, kwargs = jax.tree.map(to_cpu, (args, kwargs))
+    with jax.default_device(cpu):
+        return fn(*args, **kwargs)
 
 
 def q_shape(variant: dict, batch: int, heads: int, seq_len: int, head_dim: int) -> tuple[int, ...]:
@@ -99,16 +121,30 @@ def vjp_program(module, **kwargs):
 
 
 def reference_score(variant: dict, q, k, weights, **kwargs):
-    return reference.score(q, k, weights, q_layout=variant["q_layout"], **key_scale(variant, k), **kwargs)
+    """The float32 reference score, computed on the CPU."""
+    scale = key_scale(variant, k)
+    return on_cpu(
+        lambda q, k, weights, kwargs: reference.score(q, k, weights, q_layout=variant["q_layout"], **kwargs),
+        q, k, weights, {**scale, **kwargs},
+    )  # fmt: skip
 
 
 def reference_grads(variant: dict, q, k, weights, cotangent, **kwargs):
-    """The reference VJP in float32 math: taken at float32 copies of the inputs, so gradients are not
-    rounded to a float8 input's dtype (a float8 variant returns them as bfloat16)."""
-    upcast = [jnp.asarray(x, jnp.float32) for x in (q, k, weights)]
-    scale = key_scale(variant, k)
-    fn = lambda q, k, weights: reference.score(q, k, weights, q_layout=variant["q_layout"], **scale, **kwargs)
-    return jax.vjp(fn, *upcast)[1](jnp.asarray(cotangent, jnp.float32))
+    """The reference VJP in float32 math, on the CPU: taken at float32 copies of the inputs, so gradients
+    are not rounded to a float8 input's dtype (a float8 variant returns them as bfloat16)."""
+
+    def grads(q, k, weights, cotangent, kwargs):
+        upcast = [jnp.asarray(x, jnp.float32) for x in (q, k, weights)]
+        scale = key_scale(variant, k)
+        fn = lambda q, k, w: reference.score(q, k, w, q_layout=variant["q_layout"], **scale, **kwargs)
+        return jax.vjp(fn, *upcast)[1](jnp.asarray(cotangent, jnp.float32))
+
+    return on_cpu(grads, q, k, weights, cotangent, kwargs)
+
+
+def bits(x) -> np.ndarray:
+    """An array's bytes, to compare results bit for bit (a chip's host copy need not be contiguous)."""
+    return np.ascontiguousarray(np.asarray(x)).view(np.uint8)
 
 
 def relative_error(actual, expected) -> float:

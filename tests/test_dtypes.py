@@ -88,21 +88,23 @@ def _quantised_problem(variant, shape, seed):
     return (q32, k32, w32), (q8, k8, weights, k_scale)
 
 
+@pytest.mark.chip
 @pytest.mark.parametrize("name", FP8_NAMES)
 def test_fp8_against_dequantised_and_unquantised_inputs(name):
     module = VARIANTS[name]
     variant = module.VARIANT
     (q32, k32, w32), (q8, k8, weights, k_scale) = _quantised_problem(variant, (2, 32, 40, 128, 300), seed=31)
-    out = module.score(q8, k8, weights, k_scale=k_scale, interpret=True)
+    out = module.score(q8, k8, weights, k_scale=k_scale, interpret=support.INTERPRET)
     layout = variant["q_layout"]
-    dequantised = reference.score(q8, k8, weights, q_layout=layout, k_scale=k_scale)
+    dequantised = support.on_cpu(reference.score, q8, k8, weights, q_layout=layout, k_scale=k_scale)
     support.assert_close(f"{name} vs dequantised", out, dequantised)  # rtol of the output dtype
-    exact = reference.score(q32, k32, w32, q_layout=layout)
+    exact = support.on_cpu(reference.score, q32, k32, w32, q_layout=layout)
     quantisation_error = support.relative_error(dequantised, exact)
     assert 1e-3 < quantisation_error < 0.1  # float8 costs a few percent, and it is measured here
     assert support.relative_error(out, exact) <= quantisation_error + rtol(out.dtype)
 
 
+@pytest.mark.chip
 @pytest.mark.parametrize("name", FP8_NAMES)
 def test_fp8_gradients_including_the_key_scale(name):
     """dq, dk in bfloat16 and dweights, dk_scale in float32, against the reference VJP in float32
@@ -116,13 +118,13 @@ def test_fp8_gradients_including_the_key_scale(name):
     cotangent = jax.random.normal(jax.random.PRNGKey(34), (2, shape[2], shape[4]), jnp.float32)
     masks = dict(kv_start=kv_start, kv_end=kv_end)
 
-    score = lambda q, k, w, s: module.score(q, k, w, k_scale=s, interpret=True, **masks)
+    score = lambda q, k, w, s: module.score(q, k, w, k_scale=s, interpret=support.INTERPRET, **masks)
     # The forward and backward as one compiled program (one XLA compile, as a training step).
     gradients = jax.jit(lambda args, g: jax.vjp(score, *args)[1](g))
     grads = gradients((q8, k8, weights, k_scale), cotangent.astype(variant["out_dtype"]))
     ref = lambda q, k, w, s: reference.score(q, k, w, q_layout=variant["q_layout"], k_scale=s, **masks)
     upcast = [x.astype(jnp.float32) for x in (q8, k8, weights, k_scale)]
-    ref_grads = jax.vjp(ref, *upcast)[1](cotangent)
+    ref_grads = support.on_cpu(lambda args, g: jax.vjp(ref, *args)[1](g), upcast, cotangent)
 
     expected_dtypes = ("bfloat16", "bfloat16", variant["weights_dtype"], "float32")
     for arg, grad, ref_grad, dtype in zip(

@@ -50,6 +50,7 @@ def _skippable_tiles(kv_start, kv_end, block_q, block_w, num_w_blocks):
     return skippable
 
 
+@pytest.mark.chip
 def test_masked_forward_top_k_gradients_and_skipped_tiles(module):
     """The masked forward against the reference (masked entries exactly where the reference has them),
     its top-k, and the gradients against the reference VJP with a cotangent that is non-zero on masked
@@ -81,12 +82,12 @@ def test_masked_forward_top_k_gradients_and_skipped_tiles(module):
     cotangent = jax.random.normal(jax.random.PRNGKey(25), (batch, seq_len, num_blocks)).astype(
         variant["out_dtype"]
     )
-    program = support.vjp_program(module, kv_start=kv_start, kv_end=kv_end, interpret=True)
+    program = support.vjp_program(module, kv_start=kv_start, kv_end=kv_end, interpret=support.INTERPRET)
     out, grads = program(q, k_poisoned, weights, cotangent)
     # Determinism: the same call again gives the forward and every gradient bit for bit.
     again_out, again_grads = program(q, k_poisoned, weights, cotangent)
     for first, second in zip((out, *grads), (again_out, *again_grads)):
-        assert np.array_equal(np.asarray(first).view(np.uint8), np.asarray(second).view(np.uint8))
+        assert np.array_equal(support.bits(first), support.bits(second))
     # The reference sees the unpoisoned keys: the poisoned ones are never visible.
     expected_out = support.reference_score(variant, q, k, weights, kv_start=kv_start, kv_end=kv_end)
     ref_grads = support.reference_grads(variant, q, k, weights, cotangent, kv_start=kv_start, kv_end=kv_end)
@@ -100,12 +101,13 @@ def test_masked_forward_top_k_gradients_and_skipped_tiles(module):
     assert not np.asarray(grads[1], np.float32)[poisoned].any()  # skipped keys get exactly zero
 
 
+@pytest.mark.chip
 def test_queries_that_see_nothing(module):
     """Causal positions 0..2 with r = 4 see no complete block: all masked, zero gradients, no NaN."""
     variant = module.VARIANT
     q, k, weights = support.make_inputs(variant, (1, 16, 3, 64, 2), seed=26)
     kv_start, kv_end = causal_kv_range(jnp.arange(3)[None], 4)
-    program = support.vjp_program(module, kv_start=kv_start, kv_end=kv_end, interpret=True)
+    program = support.vjp_program(module, kv_start=kv_start, kv_end=kv_end, interpret=support.INTERPRET)
     out, grads = program(q, k, weights, jnp.ones((1, 3, 2), variant["out_dtype"]))
     assert np.all(np.isneginf(np.asarray(out, np.float32)))
     grad_dtypes = (variant["qk_grad_dtype"], variant["qk_grad_dtype"], variant["weights_dtype"])

@@ -53,6 +53,7 @@ def _gathered(dense, indices):
     )
 
 
+@pytest.mark.chip
 @pytest.mark.parametrize("windows", [1, 3], ids=["resident_k", "k_in_windows"])
 def test_sparse_score_and_its_gradients_match_the_reference_gathered(sparse_module, windows, monkeypatch):
     """Against the dense reference at the indices: with all of k resident, and with k in three windows
@@ -69,7 +70,7 @@ def test_sparse_score_and_its_gradients_match_the_reference_gathered(sparse_modu
 
     def sparse(q, k, weights, *k_scale):
         extra = {"k_scale": k_scale[0]} if k_scale else {}
-        return module.sparse_score(q, k, weights, indices, interpret=True, **extra)
+        return module.sparse_score(q, k, weights, indices, interpret=support.INTERPRET, **extra)
 
     out, vjp = jax.vjp(sparse, *args)
     assert out.dtype == jnp.dtype(variant["out_dtype"]) and out.shape == (batch, seq_len, TOP_K)
@@ -88,7 +89,7 @@ def test_sparse_score_and_its_gradients_match_the_reference_gathered(sparse_modu
 
     upcast = [jnp.asarray(x, jnp.float32) for x in args]
     g_dense = _scatter(g.astype(out.dtype), indices, num_blocks)  # the cotangent the kernel received
-    expected = jax.vjp(dense, *upcast)[1](g_dense)
+    expected = support.on_cpu(lambda args, g: jax.vjp(dense, *args)[1](g), upcast, g_dense)
     names = ("dq", "dk", "dweights", "dk_scale")
     dtypes = (variant["qk_grad_dtype"], variant["qk_grad_dtype"], variant["weights_dtype"], "float32")
     for name, dtype, actual, wanted in zip(names, dtypes, grads, expected):
@@ -96,6 +97,7 @@ def test_sparse_score_and_its_gradients_match_the_reference_gathered(sparse_modu
         support.assert_close(name, actual, wanted)
 
 
+@pytest.mark.chip
 @pytest.mark.parametrize("windows", [1, 3], ids=["resident_k", "k_in_windows"])
 def test_sparse_kernels_under_the_tpu_interpreter(windows, monkeypatch):
     """Uninitialised VMEM and outputs read as NaN, races and out-of-bounds reads reported: every
@@ -279,6 +281,7 @@ def _direct_loss(logits, target, in_set):
     return total / max(rows, 1)
 
 
+@pytest.mark.chip
 @pytest.mark.parametrize(
     "name", ["tpu_hm_f32_q16_w128_hcall", "tpu_sm_bf16_q256_w2048c512_hc16", "tpu_sm_fp8_q256_w2048c512_hc16"]
 )
@@ -296,7 +299,7 @@ def test_indexer_loss_matches_a_direct_computation(name):
     target = target.at[1, 4].set(0.0)  # no mass: the row adds 0 (and is averaged over)
     dense_target = jnp.asarray(rng.random((batch, seq_len, num_blocks)), jnp.float32)
 
-    kwargs = dict(interpret=True, **scale)
+    kwargs = dict(interpret=support.INTERPRET, **scale)
     sparse_loss = lambda q, k, w: module.indexer_loss(
         q, k, w, target, indices=indices, kv_start=kv_start, kv_end=kv_end, **kwargs
     )
@@ -344,8 +347,8 @@ def test_indexer_loss_matches_a_direct_computation(name):
         return _runtime.kl_over_sets(scores, dense_target, visible)
 
     upcast = [jnp.asarray(x, jnp.float32) for x in (q, k, weights)]
-    expected = jax.grad(reference_loss, argnums=(0, 1, 2))(*upcast)
-    dense_expected = jax.grad(dense_reference_loss, argnums=(0, 1, 2))(*upcast)
+    expected = support.on_cpu(jax.grad(reference_loss, argnums=(0, 1, 2)), *upcast)
+    dense_expected = support.on_cpu(jax.grad(dense_reference_loss, argnums=(0, 1, 2)), *upcast)
     names = ("sparse dq", "sparse dk", "sparse dweights", "dense dq", "dense dk", "dense dweights")
     for name_, actual, wanted in zip(names, (*sparse_grads, *dense_grads), (*expected, *dense_expected)):
         # float32 throughout: summation order only. A bfloat16 score (rounded before the softmax) or
@@ -355,6 +358,7 @@ def test_indexer_loss_matches_a_direct_computation(name):
         assert error <= (1e-4 if exact else 2e-2), f"{name_}: {error:.2e}"
 
 
+@pytest.mark.chip
 def test_indexer_loss_of_nothing_is_zero_not_nan():
     module = VARIANTS["tpu_sm_f32_q16_w128_hcall"]
     batch, heads, seq_len, head_dim, num_blocks = SHAPE
@@ -363,9 +367,16 @@ def test_indexer_loss_of_nothing_is_zero_not_nan():
     target = jnp.ones((batch, seq_len, TOP_K), jnp.float32)
     nothing_visible = jnp.zeros((batch, seq_len), jnp.int32)
     cases = {
-        "no index": lambda q, k, w: module.indexer_loss(q, k, w, target, indices=empty, interpret=True),
+        "no index": lambda q, k, w: module.indexer_loss(
+            q, k, w, target, indices=empty, interpret=support.INTERPRET
+        ),
         "no target mass": lambda q, k, w: module.indexer_loss(
-            q, k, w, 0.0 * target, indices=_indices(batch, seq_len, num_blocks, TOP_K), interpret=True
+            q,
+            k,
+            w,
+            0.0 * target,
+            indices=_indices(batch, seq_len, num_blocks, TOP_K),
+            interpret=support.INTERPRET,
         ),
         "nothing visible": lambda q, k, w: module.indexer_loss(
             q,
@@ -374,7 +385,7 @@ def test_indexer_loss_of_nothing_is_zero_not_nan():
             jnp.ones((batch, seq_len, num_blocks)),
             kv_start=nothing_visible,
             kv_end=nothing_visible,
-            interpret=True,
+            interpret=support.INTERPRET,
         ),
     }
     for case, loss in cases.items():
@@ -441,6 +452,7 @@ def test_sparse_gradient_executes_mxu_work_in_proportion_to_top_k():
         assert sparse * num_blocks == dense * top_k, (sparse, dense)
 
 
+@pytest.mark.chip
 def test_sparse_score_is_deterministic():
     """The forward and every gradient, run twice, are equal bit for bit (the dk rows are added in slot
     order, duplicates included), and topk_indices of equal scores is the same selection."""
@@ -449,7 +461,7 @@ def test_sparse_score_is_deterministic():
     k_scale = support.key_scale(module.VARIANT, k)["k_scale"]
     indices = _indices(1, 9, 20, 6, seed=10)
     sparse = lambda q, k, weights, k_scale: module.sparse_score(
-        q, k, weights, indices, k_scale=k_scale, interpret=True
+        q, k, weights, indices, k_scale=k_scale, interpret=support.INTERPRET
     )
 
     @jax.jit  # one compiled program of the forward and the backward, run twice
@@ -460,6 +472,6 @@ def test_sparse_score_is_deterministic():
     runs = []
     for _ in range(2):
         out, grads = program(q, k, weights, k_scale)
-        runs.append([np.asarray(a).view(np.uint8) for a in (out, *grads)])
+        runs.append([support.bits(a) for a in (out, *grads)])
     for first, second in zip(*runs):
         assert np.array_equal(first, second)

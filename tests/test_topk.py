@@ -22,6 +22,12 @@ from tests import support
 
 SMALL = sorted(n for n in VARIANTS if "_q16_w128_" in n and not n.endswith("refbwd"))
 FP8 = "tpu_sm_fp8_q256_w2048c512_hc16"
+# On the chip: one variant per q layout and dtype kind (float32, bfloat16, float8 with its scales).
+ON_CHIP = {"tpu_hm_f32_q16_w128_hcall", "tpu_sm_bf16_q16_w128_hc16", FP8}
+
+
+def _chip_marked(names):
+    return [pytest.param(n, marks=pytest.mark.chip) if n in ON_CHIP else n for n in names]
 
 
 def _numpy_topk(scores, top_k):
@@ -41,16 +47,18 @@ def _numpy_topk(scores, top_k):
 
 
 def _call(module, q, k, weights, top_k, working_bytes=topk_module.DEFAULT_WORKING_BYTES, **arrays):
-    """``score_topk`` in interpret mode under ``jax.jit``, with the key scale its variant needs."""
+    """``score_topk`` under ``jax.jit`` (interpret mode off the chip), with the key scale its variant needs."""
     arrays = {**support.key_scale(module.VARIANT, k), **arrays}
 
     def run(q, k, w, arrays):
-        return module.score_topk(q, k, w, top_k, **arrays, working_bytes=working_bytes, interpret=True)
+        return module.score_topk(
+            q, k, w, top_k, **arrays, working_bytes=working_bytes, interpret=support.INTERPRET
+        )
 
     return jax.jit(run)(q, k, weights, arrays)
 
 
-@pytest.mark.parametrize("name", SMALL + [FP8])
+@pytest.mark.parametrize("name", _chip_marked(SMALL + [FP8]))
 def test_score_topk_is_the_dense_selection_bit_for_bit(name):
     module = VARIANTS[name]
     shape = (4, 16, 40, 128, 300)
@@ -59,7 +67,7 @@ def test_score_topk_is_the_dense_selection_bit_for_bit(name):
         q = (q * 2).round().astype(q.dtype) / 2
     kv_start, kv_end = support.mask_batch(shape[2], shape[4], seed=2)
     bounds = dict(kv_start=kv_start, kv_end=kv_end)
-    dense = support.call(module, q, k, weights, **bounds, interpret=True)
+    dense = support.call(module, q, k, weights, **bounds, interpret=support.INTERPRET)
     for top_k in (1, 7, 64, 400):  # 400 > W: every visible block, then -1 slots
         # a small working set forces several query chunks, the last one ragged
         index, values = _call(module, q, k, weights, top_k, **bounds, working_bytes=16 * 300 * 4 * 6 * 4)
@@ -106,6 +114,7 @@ def test_bfloat16_scores_search_16_bits_to_the_same_threshold():
     assert topk_module.SIGNIFICANT_BITS[jnp.dtype(jnp.bfloat16)] == 16
 
 
+@pytest.mark.chip
 @pytest.mark.parametrize("dtype,width", [(jnp.bfloat16, 300), (jnp.float32, 2100)])
 def test_threshold_kernel_is_the_search_in_xla(dtype, width):
     """The Pallas threshold kernel (interpreted) finds each row's threshold and visible count as the
@@ -124,7 +133,7 @@ def test_threshold_kernel_is_the_search_in_xla(dtype, width):
     visible = jnp.sum(keys > 0, axis=-1, keepdims=True, dtype=jnp.int32)
     bits = topk_module.SIGNIFICANT_BITS.get(jnp.dtype(dtype), 32)
     for top_k in (1, 7, 150, width + 1):
-        t, count = topk_module.threshold(scores, top_k, interpret=True)
+        t, count = topk_module.threshold(scores, top_k, interpret=support.INTERPRET)
         expected = topk_module._threshold(keys, jnp.minimum(visible, top_k), bits)
         np.testing.assert_array_equal(np.asarray(t), np.asarray(expected))
         np.testing.assert_array_equal(np.asarray(count), np.asarray(visible))
@@ -161,6 +170,7 @@ def test_threshold_kernel_skips_only_slices_no_row_of_a_block_sees(width):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.chip
 @pytest.mark.parametrize("name", ["tpu_hm_f32_q16_w128_hcall", "tpu_sm_bf16_q16_w128_hc16"])
 def test_score_topk_gradient_is_the_dense_scores_at_the_selection(name):
     module = VARIANTS[name]
@@ -173,11 +183,11 @@ def test_score_topk_gradient_is_the_dense_scores_at_the_selection(name):
     index, _ = _call(module, q, k, weights, top_k, **bounds)
 
     def via_topk(q, k, weights):
-        _, values = module.score_topk(q, k, weights, top_k, **bounds, interpret=True)
+        _, values = module.score_topk(q, k, weights, top_k, **bounds, interpret=support.INTERPRET)
         return jnp.sum(jnp.where(index >= 0, values.astype(jnp.float32) * cotangent, 0.0))
 
     def via_dense(q, k, weights):
-        dense = module.score(q, k, weights, **bounds, interpret=True).astype(jnp.float32)
+        dense = module.score(q, k, weights, **bounds, interpret=support.INTERPRET).astype(jnp.float32)
         picked = jnp.take_along_axis(dense, jnp.maximum(index, 0), axis=-1)
         return jnp.sum(jnp.where(index >= 0, picked * cotangent, 0.0))
 
