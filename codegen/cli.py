@@ -1,4 +1,4 @@
-"""The ``codegen`` command: render, check, list, diff, explain and compile the kernels a spec describes.
+"""The ``codegen`` command: render, check, list, diff, explain, compile and bench the kernels a spec describes.
 
 Exit codes: 0 done (or up to date, or no difference), 1 out of date / differences found,
 2 a bad spec, a bad argument or a variant that does not exist.
@@ -15,7 +15,9 @@ import pathlib
 import sys
 
 # The generator computes on the host; the TPU compiler, where used, runs in processes of its own.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# `codegen bench` alone runs on the accelerator: JAX then picks its platform as it would for a user.
+if sys.argv[1:2] != ["bench"]:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from codegen import (
     chips,
@@ -387,11 +389,101 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tiling", metavar="NAME", help="only the variants of this spec tiling (e.g. prod)")
     p.add_argument("--jobs", type=int, help="compiles at once (default: one per core)")
     p.set_defaults(run=_compile)
+
+    p = commands.add_parser(
+        "bench",
+        help="time the spec's production variants on a TPU beside their peers",
+        description=(
+            "Time the spec's production variants on this machine's TPU (score forward and forward + gradient on "
+            "causal, unmasked and fully masked bounds, score_topk, sparse_score, indexer_loss) beside a stacked-heads "
+            "every-block Pallas forward, pure XLA, score + lax.top_k / approx_max_k, an XLA sparse score and a bf16 "
+            "matmul, at S 8192 / W 2048 / top_k 512 and S 32768 / W 8192 / top_k 1024 (B 1, H 64, D 128). Prints a "
+            "line per case and a markdown table; exit 2 without a TPU."
+        ),
+    )
+    p.add_argument(
+        "spec", metavar="SPEC", nargs="?", default="specs/csa_v4.yaml", help="default specs/csa_v4.yaml"
+    )
+    p.add_argument("--cases", help="comma-separated, of " + ", ".join(_bench_cases()) + " (default: all)")
+    p.add_argument("--shape", type=_shape, metavar="B,H,S,D,W", help="one shape instead of the two defaults")
+    p.add_argument("--top-k", type=int, default=512, help="with --shape: the selection's top_k (default 512)")
+    p.add_argument("--calls", type=int, default=10, help="timed calls per case, after a warm-up (default 10)")
+    p.add_argument(
+        "--json", metavar="FILE", help="also write the figures, chip, JAX version and date to FILE"
+    )
+    p.add_argument("--report", metavar="FILE", help="print a saved --json run as markdown (no TPU needed)")
+    p.set_defaults(run=_bench)
     return top
+
+
+def _bench_cases() -> tuple[str, ...]:
+    from codegen import bench
+
+    return bench.CASES
+
+
+def _without_outputs(argv: list[str]) -> list[str]:
+    """A bench command line less ``--json FILE``: where the figures went is not what was measured."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip or arg.startswith("--json="):
+            skip = False
+            continue
+        skip = arg == "--json"
+        if not skip:
+            kept.append(arg)
+    return kept
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from codegen import bench
+
+    if args.report:
+        try:
+            saved = json.loads(pathlib.Path(args.report).read_text())
+        except (OSError, ValueError) as err:
+            raise UsageError(f"--report {args.report}: {err}") from None
+        print(bench.report(saved), end="")
+        return EXIT_OK
+    family = load_family(args.spec, default_out(args.spec))
+    if not family.spec.production:
+        raise UsageError(f"{args.spec} names no production variants (its `production` list) to bench")
+    asked = set(args.cases.split(",")) if args.cases else set()
+    unknown = sorted(asked - set(bench.CASES))
+    if unknown:
+        raise UsageError(f"unknown cases {unknown}: choose from {', '.join(bench.CASES)}")
+    backend = bench.backend_quietly()
+    if backend != "tpu":
+        print(f"codegen bench: no TPU here (JAX's default backend is {backend}); it measures on a TPU only")
+        return EXIT_ERROR
+    import importlib
+
+    package = importlib.import_module(_family_package(family))
+    production = [(name, package.VARIANTS[name]) for name in family.spec.production]
+    shapes = [(*args.shape, args.top_k)] if args.shape else list(bench.SHAPES)
+    run = bench.Bench(package, production, asked or set(bench.CASES), args.calls, asked)
+    saved = {
+        **bench.environment(),
+        "command": " ".join(["codegen", "bench", *_without_outputs(args.argv)]),
+        "calls": args.calls,
+        "results": [],
+    }
+
+    def keep(results):  # the file is whole after every case, so a run cut short keeps what it measured
+        saved["results"] = [dataclasses.asdict(r) for r in results]
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(saved, indent=1) + "\n")
+
+    run.on_result = keep
+    run.run(shapes)
+    print()
+    print(bench.report(saved), end="")
+    return EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    args.argv = list(sys.argv[2:] if argv is None else argv[1:])
     try:
         return args.run(args)
     except SpecError as err:

@@ -50,10 +50,30 @@ def build(spec: FamilySpec, source: str = "<spec>", spec_path: str = "<spec>", s
         plans.append(budgeted)
         problems += errors
         warnings += cautions
+    problems += _production_problems(spec, {variant.name: variant for variant in found})
     if problems:
         raise SpecError(source, problems)
     unique = tuple({str(w): w for w in warnings}.values())
     return Family(spec, tuple(plans), unique, spec_path, sha256)
+
+
+def _production_problems(spec: FamilySpec, emitted: dict[str, variants.Variant]) -> list[Problem]:
+    """``production`` names emitted variants, each once, at most one per q layout."""
+    problems = []
+    layouts: dict[str, str] = {}
+    for i, name in enumerate(spec.production):
+        if name not in emitted:
+            problems.append(Problem(f"production[{i}]", name, "must name a variant the spec emits"))
+        elif spec.production.index(name) != i:
+            problems.append(Problem(f"production[{i}]", name, "names a variant already listed"))
+        else:
+            layout = emitted[name].q_layout
+            if layout in layouts:
+                problems.append(
+                    Problem(f"production[{i}]", name, f"a second {layout} variant (first: {layouts[layout]})")
+                )
+            layouts.setdefault(layout, name)
+    return problems
 
 
 def load_family(spec_path: str | os.PathLike, out_root: str | os.PathLike | None = None) -> Family:

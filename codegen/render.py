@@ -195,6 +195,7 @@ def render_family(family: Family) -> dict[str, str]:
                 **_stamp(family),
                 description=spec.description.strip() or "CSA StreamIndex score kernels.",
                 variants=family.variants,
+                production=spec.production,
             )
         ),
         f"{spec.family}/_family.py": format_source(

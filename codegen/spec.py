@@ -241,3 +241,8 @@ class FamilySpec(StrictModel):
     dtype_policies: dict[Name, DtypePolicy] = Field(min_length=1)
     variants: Variants
     tuning: Tuning | None = None
+    production: list[str] = Field(
+        default_factory=list,
+        description="the variants users should run, one per q layout at most: `codegen bench` times these "
+        "and the generated package lists them as PRODUCTION",
+    )

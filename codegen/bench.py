@@ -1,0 +1,397 @@
+"""``codegen bench``: the spec's production variants timed on a TPU, beside their peers, in one process.
+
+Each case is compiled once, run once to warm up, then timed in ``calls`` samples of back-to-back
+calls (``median_ms``); the median is reported in milliseconds, with its ratio to the stacked-heads every-block
+forward of the same shape (``codegen.peers``, always timed first) and the TFLOP/s of its nominal
+work: 2 * H * D per visible (query, block) pair for a forward, five times that for a forward and
+gradient (the forward, the logits again, dq, dk and dweights), per selected block for the sparse
+kernels. A case that does not fit in the chip's memory says so and the run goes on. ``--json`` keeps
+the figures with the chip, JAX version, date and command; ``--report`` prints a saved run as the
+README's markdown table, on any machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import statistics
+import sys
+import time
+from typing import Callable
+
+import numpy as np
+
+# The default shapes (B, H, S, D, W, top_k): DeepSeek-V4 prefill, and a four times longer context.
+SHAPES = ((1, 64, 8192, 128, 2048, 512), (1, 64, 32768, 128, 8192, 1024))
+# Per production variant: ``score`` (forward) on three masks, forward + gradient on two, the selection
+# three ways, the sparse score and the indexer loss.
+VARIANT_CASES = (
+    "score.unmasked", "score.causal", "score.masked", "grad.unmasked", "grad.causal",
+    "topk", "topk.lax", "topk.approx", "sparse", "sparse.grad", "loss.dense", "loss.sparse",
+)  # fmt: skip
+# Once per shape (``stacked`` always: the ratios are read against it), and the calibration once a run.
+PEER_CASES = ("stacked", "xla", "xla.grad", "xla_sparse", "xla_sparse.grad", "matmul")
+CASES = VARIANT_CASES + PEER_CASES
+# score_topk's first call at S 32768 compiles for minutes today (its selection's loops): by default it
+# is timed only up to this S, so that a default run takes minutes; naming ``topk`` in --cases times it.
+TOPK_DEFAULT_MAX_SEQ = 8192
+MATMUL_N = 8192
+APPROX_RECALL = 0.95  # lax.approx_max_k's recall target
+SAMPLE_SECONDS = 0.02  # the least time one timing sample spans (see median_ms)
+
+
+@dataclasses.dataclass
+class Result:
+    shape: tuple[int, ...]  # (B, H, S, D, W, top_k); all zeros for the calibration
+    case: str
+    subject: str  # the variant, or what the peer is
+    ms: float | None = None
+    seconds: float = 0.0  # the case's wall time, its compile (where its program is new) included
+    tflops: float | None = None
+    ratio: float | None = None  # to the stacked-heads forward of the same shape
+    note: str = ""  # why there is no time: "does not fit", "failed: ...", "not run: ..."
+
+    def line(self) -> str:
+        _, _, seq_len, _, num_blocks, top_k = self.shape
+        where = f"S {seq_len} W {num_blocks} top_k {top_k}" if seq_len else f"{MATMUL_N}^3"
+        if self.ms is None:
+            return f"{where} {self.case} {self.subject}: {self.note}"
+        ratio = f", {self.ratio:.2f}x stacked" if self.ratio else ""
+        rate = f", {self.tflops:.0f} TF/s" if self.tflops else ""
+        return f"{where} {self.case} {self.subject}: {self.ms:.3f} ms{ratio}{rate} ({self.seconds:.0f} s)"
+
+
+def backend_quietly() -> str:
+    """JAX's default backend. Where it is not a TPU, what libtpu printed while looking for one (it is
+    installed with the tpu extra, for the compiler) is dropped: "no TPU" is the whole story."""
+    import os
+    import tempfile
+
+    import jax
+
+    with tempfile.TemporaryFile() as captured:
+        saved = os.dup(2)
+        os.dup2(captured.fileno(), 2)
+        try:
+            backend = jax.default_backend()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        if backend == "tpu":
+            captured.seek(0)
+            sys.stderr.buffer.write(captured.read())
+    return backend
+
+
+def median_ms(fn: Callable, args: tuple, samples: int) -> float:
+    """The median over ``samples`` of the time one call of ``fn(*args)`` takes, after a warm-up call.
+
+    Each sample times back-to-back calls, waited for at the end, filling at least ``SAMPLE_SECONDS``: the
+    host dispatches the next call while the chip runs this one, as in a training loop, so a sample is
+    the chip's time and not the host's latency of one call (which, on the v5e tried, added 0.7 to 1.9
+    ms to a 1.3 ms kernel)."""
+    import jax
+
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    first = time.perf_counter() - start  # the compile's too: an upper bound on one call
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    once = min(first, time.perf_counter() - start)
+    repeats = max(1, int(SAMPLE_SECONDS / max(once, 1e-6)))
+    times = []
+    for _ in range(samples):
+        start = time.perf_counter()
+        outs = [fn(*args) for _ in range(repeats)]
+        jax.block_until_ready(outs)
+        times.append((time.perf_counter() - start) / repeats)
+        del outs
+    return 1e3 * statistics.median(times)
+
+
+def does_not_fit(err: Exception) -> bool:
+    """Whether a compile or a call failed for want of the chip's memory (HBM or VMEM)."""
+    return any(s in str(err) for s in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "Ran out of"))
+
+
+class Problem:
+    """One shape's inputs in one q layout, made on the chip, and the pair counts of nominal work."""
+
+    def __init__(self, package, shape: tuple[int, ...], q_layout: str):
+        import jax
+        import jax.numpy as jnp
+
+        batch, heads, seq_len, head_dim, num_blocks, top_k = shape
+        self.shape, self.top_k = shape, top_k
+        kq, kk, kw, kg = jax.random.split(jax.random.key(0), 4)
+        dims = (
+            (batch, seq_len, heads, head_dim)
+            if q_layout == "seq_major"
+            else (batch, heads, seq_len, head_dim)
+        )
+        self.q = jax.random.normal(kq, dims, jnp.bfloat16)
+        self.k = jax.random.normal(kk, (batch, num_blocks, head_dim), jnp.bfloat16)
+        self.weights = jax.random.normal(kw, (batch, seq_len, heads), jnp.bfloat16)
+        self.cotangent = jax.random.normal(kg, (batch, seq_len, num_blocks), jnp.bfloat16)
+        start, end = (
+            np.broadcast_to(np.asarray(x), (batch, seq_len))
+            for x in package.causal_kv_range(np.arange(seq_len))
+        )
+        nothing = jnp.zeros((batch, seq_len), jnp.int32)
+        # Every mask as explicit bounds, so that one compiled program serves the three: what differs
+        # between them is the data the kernels skip by, not the program (and one compile, not three).
+        self.bounds = {
+            "unmasked": (nothing, jnp.full((batch, seq_len), num_blocks, jnp.int32)),
+            "causal": (jnp.asarray(start, jnp.int32), jnp.asarray(end, jnp.int32)),
+            "masked": (nothing, nothing),
+        }
+        self.pairs = {
+            "unmasked": batch * seq_len * num_blocks,
+            "causal": int(np.clip(end - start, 0, num_blocks).sum()),
+            "masked": 0,
+        }
+        self.indices = None  # the causal selection, [B, S, top_k] (-1: none), once a score made it
+        self.selected = 0  # its slots that hold a block
+
+    def flops(self, pairs: int, passes: int = 1) -> float:
+        _, heads, _, head_dim, _, _ = self.shape
+        return 2.0 * heads * head_dim * pairs * passes
+
+
+def with_gradient(fn: Callable) -> Callable:
+    """``(q, k, w, cotangent, *rest) -> (out, (dq, dk, dw))``: ``fn(q, k, w, *rest)`` and its VJP in one
+    program, as a training step runs them."""
+    import jax
+
+    def program(q, k, w, cotangent, *rest):
+        out, vjp = jax.vjp(lambda q, k, w: fn(q, k, w, *rest), q, k, w)
+        return out, vjp(cotangent.astype(out.dtype))
+
+    return program
+
+
+class Bench:
+    """One run: the calibration, then each shape's peers and production variants, each line printed as
+    its case ends."""
+
+    def __init__(
+        self,
+        package,
+        production: list,
+        cases: set[str],
+        calls: int,
+        asked: set[str] = frozenset(),
+        out=sys.stdout,
+    ):
+        self.package, self.production = package, production  # the generated package; [(name, module)]
+        self.cases, self.calls, self.asked, self.out = cases, calls, asked, out
+        self.results: list[Result] = []
+        self.stacked_ms: dict[tuple, float] = {}
+        self.on_result: Callable | None = None  # called with the results so far as each case ends
+
+    def record(self, result: Result) -> Result:
+        if result.ms and result.shape in self.stacked_ms:
+            result.ratio = result.ms / self.stacked_ms[result.shape]
+        self.results.append(result)
+        print(f"[{len(self.results)}] {result.line()}", file=self.out, flush=True)
+        if self.on_result:
+            self.on_result(self.results)
+        return result
+
+    def time(self, shape, case: str, subject: str, fn: Callable, args: tuple, flops: float = 0.0) -> Result:
+        import jax
+
+        result = Result(shape, case, subject)
+        start = time.perf_counter()
+        try:
+            result.ms = median_ms(fn if hasattr(fn, "lower") else jax.jit(fn), args, self.calls)
+            result.tflops = flops / (result.ms * 1e-3) / 1e12 if flops else None
+        except Exception as err:  # noqa: BLE001 - a case that fails is reported and the run goes on
+            result.note = (
+                "does not fit" if does_not_fit(err) else f"failed: {type(err).__name__}: {str(err)[:300]}"
+            )
+        result.seconds = time.perf_counter() - start
+        return self.record(result)
+
+    def run(self, shapes) -> list[Result]:
+        import jax
+
+        if "matmul" in self.cases:
+            self.calibrate()
+        for shape in shapes:
+            problems: dict[str, Problem] = {}
+            for name, module in self.production:
+                layout = module.VARIANT["q_layout"]
+                problems.setdefault(layout, Problem(self.package, shape, layout))
+            sm = problems.get("seq_major") or Problem(self.package, shape, "seq_major")
+            self.peers(shape, sm)
+            for name, module in self.production:
+                self.variant(shape, name, module, problems[module.VARIANT["q_layout"]])
+            self.sparse_peers(shape, sm)
+            del problems, sm
+            jax.clear_caches()
+        return self.results
+
+    def calibrate(self) -> None:
+        import jax
+        import jax.numpy as jnp
+
+        from codegen import peers
+
+        a, b = (
+            jax.random.normal(key, (MATMUL_N,) * 2, jnp.bfloat16)
+            for key in jax.random.split(jax.random.key(1))
+        )
+        self.time((0,) * 6, "matmul", "bf16 matmul (calibration)", peers.matmul, (a, b), 2.0 * MATMUL_N**3)
+
+    def peers(self, shape, p: Problem) -> None:
+        from codegen import peers
+
+        args, every = (p.q, p.k, p.weights), p.pairs["unmasked"]
+        stacked = self.time(
+            shape,
+            "stacked",
+            "stacked-heads forward, every block",
+            peers.stacked_forward,
+            args,
+            p.flops(every),
+        )
+        if stacked.ms:
+            self.stacked_ms[shape] = stacked.ms
+            stacked.ratio = 1.0
+        if "xla" in self.cases:
+            self.time(shape, "xla", "XLA score (logits in HBM)", peers.xla_score, args, p.flops(every))
+        if "xla.grad" in self.cases:
+            self.time(shape, "xla.grad", "XLA score, forward + gradient", with_gradient(peers.xla_score),
+                      (*args, p.cotangent), p.flops(every, 5))  # fmt: skip
+
+    def sparse_peers(self, shape, p: Problem) -> None:
+        from codegen import peers
+
+        if p.indices is None:
+            return
+        args = (p.q, p.k, p.weights, p.indices)
+        if "xla_sparse" in self.cases:
+            self.time(
+                shape, "xla_sparse", "XLA gather + einsums", peers.xla_sparse_score, args, p.flops(p.selected)
+            )
+        if "xla_sparse.grad" in self.cases:
+            cotangent = np.ones(p.indices.shape, np.float32)
+            self.time(shape, "xla_sparse.grad", "XLA gather + einsums, forward + gradient",
+                      with_gradient(peers.xla_sparse_score), (p.q, p.k, p.weights, cotangent, p.indices),
+                      p.flops(p.selected, 5))  # fmt: skip
+
+    def variant(self, shape, name: str, module, p: Problem) -> None:
+        import jax
+        import jax.numpy as jnp
+
+        top_k, cases, args = p.top_k, self.cases, (p.q, p.k, p.weights)
+        score = lambda q, k, w, s, e: module.score(q, k, w, kv_start=s, kv_end=e)
+        causal = p.bounds["causal"]
+        forward, gradient = jax.jit(score), jax.jit(with_gradient(score))  # compiled once, for every mask
+        for mask in ("unmasked", "causal", "masked"):
+            if f"score.{mask}" in cases:
+                self.time(
+                    shape, f"score.{mask}", name, forward, (*args, *p.bounds[mask]), p.flops(p.pairs[mask])
+                )
+        for mask in ("unmasked", "causal"):
+            if f"grad.{mask}" in cases:
+                self.time(shape, f"grad.{mask}", name, gradient,
+                          (*args, p.cotangent, *p.bounds[mask]), p.flops(p.pairs[mask], 5))  # fmt: skip
+        selection = p.flops(p.pairs["causal"])
+        if "topk" in cases and (shape[2] <= TOPK_DEFAULT_MAX_SEQ or "topk" in self.asked):
+            self.time(shape, "topk", f"{name} score_topk",
+                      lambda q, k, w, s, e: module.score_topk(q, k, w, top_k, kv_start=s, kv_end=e),
+                      (*args, *causal), selection)  # fmt: skip
+        elif "topk" in cases:
+            note = f"not run: by default only up to S {TOPK_DEFAULT_MAX_SEQ} (it compiles for minutes); --cases topk"
+            self.record(Result(shape, "topk", f"{name} score_topk", note=note))
+        if "topk.lax" in cases:
+            self.time(shape, "topk.lax", f"{name} score + lax.top_k",
+                      lambda *a: jax.lax.top_k(score(*a), top_k), (*args, *causal), selection)  # fmt: skip
+        if "topk.approx" in cases:
+            approx = lambda *a: jax.lax.approx_max_k(score(*a), top_k, recall_target=APPROX_RECALL)
+            self.time(
+                shape, "topk.approx", f"{name} score + lax.approx_max_k", approx, (*args, *causal), selection
+            )
+        if "loss.dense" in cases:
+            target = jnp.full(p.cotangent.shape, 1.0 / shape[4], jnp.float32)
+            loss = lambda q, k, w, s, e: jax.value_and_grad(
+                lambda q, k, w: module.indexer_loss(q, k, w, target, kv_start=s, kv_end=e), argnums=(0, 1, 2)
+            )(q, k, w)
+            self.time(
+                shape,
+                "loss.dense",
+                f"{name} indexer_loss",
+                loss,
+                (*args, *causal),
+                p.flops(p.pairs["causal"], 5),
+            )
+        if not {"sparse", "sparse.grad", "loss.sparse", "xla_sparse", "xla_sparse.grad"} & cases:
+            return
+        if p.indices is None:  # each query's top_k of its causal scores, as the indexer selects them
+            p.indices = jax.block_until_ready(
+                self.package.topk_indices(jax.jit(score)(*args, *causal), top_k)
+            )
+            p.selected = int(jnp.sum(p.indices >= 0))
+        sparse = lambda q, k, w, i: module.sparse_score(q, k, w, i)
+        if "sparse" in cases:
+            self.time(
+                shape, "sparse", f"{name} sparse_score", sparse, (*args, p.indices), p.flops(p.selected)
+            )
+        if "sparse.grad" in cases:
+            cotangent = np.ones(p.indices.shape, np.float32)
+            self.time(shape, "sparse.grad", f"{name} sparse_score", with_gradient(sparse),
+                      (*args, cotangent, p.indices), p.flops(p.selected, 5))  # fmt: skip
+        if "loss.sparse" in cases:
+            target = jnp.full(p.indices.shape, 1.0 / top_k, jnp.float32)
+            loss = lambda q, k, w, i: jax.value_and_grad(
+                lambda q, k, w: module.indexer_loss(q, k, w, target, indices=i), argnums=(0, 1, 2)
+            )(q, k, w)
+            self.time(
+                shape, "loss.sparse", f"{name} indexer_loss", loss, (*args, p.indices), p.flops(p.selected, 5)
+            )
+
+
+def environment() -> dict:
+    """The chip, JAX version and date a run's figures belong to."""
+    import jax
+
+    device = jax.devices()[0]
+    return {"chip": device.device_kind, "jax": jax.__version__, "date": datetime.date.today().isoformat()}
+
+
+def report(saved: dict) -> str:
+    """A saved run (``--json``) as markdown: a table per shape, the calibration under them."""
+    lines = [
+        f"Measured on one {saved['chip']}, JAX {saved['jax']}, {saved['date']}: `{saved['command']}` "
+        f"(median of {saved['calls']} samples of back-to-back calls after a warm-up; ratio to the stacked-heads every-block forward "
+        "of the same shape; TF/s of nominal work).",
+        "",
+    ]
+    if saved.get("note"):
+        lines += [saved["note"], ""]
+    fields = {f.name for f in dataclasses.fields(Result)}
+    rows = [
+        Result(**{**{k: v for k, v in r.items() if k in fields}, "shape": tuple(r["shape"])})
+        for r in saved["results"]
+    ]
+    for shape in dict.fromkeys(r.shape for r in rows if r.shape[2]):
+        batch, heads, seq_len, head_dim, num_blocks, top_k = shape
+        lines += [
+            f"B {batch}, H {heads}, S {seq_len}, D {head_dim}, W {num_blocks}, top_k {top_k}:",
+            "",
+            "| case | what | ms | x stacked | TF/s |",
+            "|---|---|---:|---:|---:|",
+        ]
+        for r in (r for r in rows if r.shape == shape):
+            if r.ms is None:
+                lines.append(f"| {r.case} | {r.subject} | {r.note} | | |")
+            else:
+                ratio = f"{r.ratio:.2f}" if r.ratio else ""
+                rate = (f"{r.tflops:.0f}" if r.tflops >= 10 else f"{r.tflops:.1f}") if r.tflops else ""
+                lines.append(f"| {r.case} | {r.subject} | {r.ms:.2f} | {ratio} | {rate} |")
+        lines.append("")
+    for r in (r for r in rows if not r.shape[2] and r.ms):
+        lines.append(f"Calibration: {r.subject}, {MATMUL_N}^3: {r.ms:.2f} ms, {r.tflops:.0f} TF/s.")
+    return "\n".join(lines).rstrip() + "\n"
