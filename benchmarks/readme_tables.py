@@ -29,11 +29,6 @@ _TABLE = re.compile(
     r"(<!-- end of output -->)",
     re.DOTALL,
 )
-# A bench table reports times measured on a chip; it is rendered from the run's saved results, which
-# come from a TPU, not from this machine.
-_BENCH_RESULTS = ROOT / "benchmarks" / "results" / "v5e.json"
-
-
 def documents() -> list[pathlib.Path]:
     """The files whose marked tables are kept: the README and every page under docs/."""
     return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -53,21 +48,16 @@ def run(command: str) -> str:
     return result.stdout
 
 
-def _skipped(command: str) -> bool:
-    """A ``codegen bench`` table before its results exist: nothing on this machine can make it."""
-    return shlex.split(command)[:2] == ["codegen", "bench"] and not _BENCH_RESULTS.exists()
-
-
 def rendered(text: str, compiled: bool = False) -> str:
     """``text`` with every marked block replaced by its command's output (the compiled ones only with
     ``compiled``)."""
 
     def block(m):
         if m.group("command") is not None:
-            if (m.group("compiled") and not compiled) or _skipped(m.group("command")):
+            if (m.group("compiled") and not compiled):
                 return m.group(0)
             return m.group(1) + run(m.group("command")) + m.group(5)
-        if (m.group("md_compiled") and not compiled) or _skipped(m.group("md_command")):
+        if (m.group("md_compiled") and not compiled):
             return m.group(0)
         return m.group(6) + run(m.group("md_command")) + m.group(10)
 
