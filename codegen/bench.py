@@ -330,9 +330,7 @@ class Bench:
         if not {"sparse", "sparse.grad", "loss.sparse", "xla_sparse", "xla_sparse.grad"} & cases:
             return
         if p.indices is None:  # each query's top_k of its causal scores, as the indexer selects them
-            p.indices = jax.block_until_ready(
-                self.package.topk_indices(jax.jit(score)(*args, *causal), top_k)
-            )
+            p.indices = jax.block_until_ready(self.package.topk_indices(forward(*args, *causal), top_k))
             p.selected = int(jnp.sum(p.indices >= 0))
         sparse = lambda q, k, w, i: module.sparse_score(q, k, w, i)
         if "sparse" in cases:
