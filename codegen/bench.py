@@ -1,7 +1,7 @@
 """``codegen bench``: the spec's production variants timed on a TPU, beside their peers, in one process.
 
-Each case is compiled once, run once to warm up, then timed in ``calls`` samples of back-to-back
-calls (``median_ms``); the median is reported in milliseconds, with its ratio to the stacked-heads every-block
+Every case's program is compiled first, on the host's cores at once; then each case is run once to
+warm up and timed in ``calls`` samples of back-to-back calls (``median_ms``); the median is reported in milliseconds, with its ratio to the stacked-heads every-block
 forward of the same shape (``codegen.peers``, always timed first) and the TFLOP/s of its nominal
 work: 2 * H * D per visible (query, block) pair for a forward, five times that for a forward and
 gradient (the forward, the logits again, dq, dk and dweights), per selected block for the sparse
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 import statistics
 import sys
 import time
@@ -150,8 +151,25 @@ class Problem:
             "causal": int(np.clip(end - start, 0, num_blocks).sum()),
             "masked": 0,
         }
-        self.indices = None  # the causal selection, [B, S, top_k] (-1: none), once a score made it
-        self.selected = 0  # its slots that hold a block
+        self.selection: Callable | None = None  # makes the causal scores the selection is taken from
+        self.selection_shape = (batch, seq_len, top_k)
+        self.abstract_indices = jax.ShapeDtypeStruct(self.selection_shape, jnp.int32)
+        self._indices = None
+        self.package = package
+
+    @property
+    def indices(self):
+        """The causal selection, int32 ``[B, S, top_k]`` (-1: no block), made on first use."""
+        import jax
+
+        if self._indices is None:
+            self._indices = jax.block_until_ready(self.package.topk_indices(self.selection(), self.top_k))
+        return self._indices
+
+    @property
+    def selected(self) -> int:
+        """The selection's slots that hold a block."""
+        return int((self.indices >= 0).sum())
 
     def flops(self, pairs: int, passes: int = 1) -> float:
         _, heads, _, head_dim, _, _ = self.shape
@@ -170,21 +188,34 @@ def with_gradient(fn: Callable) -> Callable:
     return program
 
 
-class Bench:
-    """One run: the calibration, then each shape's peers and production variants, each line printed as
-    its case ends."""
+@dataclasses.dataclass
+class Case:
+    """One timed case as planned: its program, compiled ahead with the others, and its arguments, which
+    a sparse case can only have once the forward has made the selection (hence ``args`` a callable)."""
 
-    def __init__(
-        self,
-        package,
-        production: list,
-        cases: set[str],
-        calls: int,
-        asked: set[str] = frozenset(),
-        out=sys.stdout,
-    ):
+    shape: tuple[int, ...]
+    case: str
+    subject: str
+    program: Callable  # a jitted function
+    abstract: tuple  # what it is compiled for: arrays or ShapeDtypeStructs
+    args: Callable[[], tuple]
+    flops: Callable[[], float]
+    compiled: Callable | None = None
+    error: Exception | None = None
+    compile_seconds: float = 0.0
+
+
+class Bench:
+    """One run: the calibration, then each shape's peers and production variants. Every program is
+    planned first and compiled on the host's cores at once (``workers``); then each case is timed in
+    order, a line printed as it ends."""
+
+    def __init__(self, package, production: list, cases: set[str], calls: int, asked: set[str] = frozenset(),
+                 out=sys.stdout, workers: int | None = None):  # fmt: skip
         self.package, self.production = package, production  # the generated package; [(name, module)]
         self.cases, self.calls, self.asked, self.out = cases, calls, asked, out
+        self.workers = workers or min(8, os.cpu_count() or 1)
+        self.planned: list[Case | Result] = []  # a Result: a case that is reported without running
         self.results: list[Result] = []
         self.stacked_ms: dict[tuple, float] = {}
         self.on_result: Callable | None = None  # called with the results so far as each case ends
@@ -193,29 +224,60 @@ class Bench:
         if result.ms and result.shape in self.stacked_ms:
             result.ratio = result.ms / self.stacked_ms[result.shape]
         self.results.append(result)
-        print(f"[{len(self.results)}] {result.line()}", file=self.out, flush=True)
+        print(f"[{len(self.results)}/{len(self.planned)}] {result.line()}", file=self.out, flush=True)
         if self.on_result:
             self.on_result(self.results)
         return result
 
-    def time(self, shape, case: str, subject: str, fn: Callable, args: tuple, flops: float = 0.0) -> Result:
+    def add(self, shape, case: str, subject: str, fn: Callable, args, flops=0.0, abstract=None) -> None:
+        """Plans a case: ``args`` a tuple, or a callable giving it at run time (then ``abstract`` says
+        what to compile for); ``flops`` a number or a callable."""
         import jax
 
-        result = Result(shape, case, subject)
+        program = fn if hasattr(fn, "lower") else jax.jit(fn)
+        get_args = args if callable(args) else (lambda: args)
+        get_flops = flops if callable(flops) else (lambda: flops)
+        self.planned.append(Case(shape, case, subject, program, abstract or args, get_args, get_flops))
+
+    def compile(self) -> None:
+        """Compiles every planned program, ``workers`` at a time (XLA compiles outside the GIL)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        def one(case: Case) -> None:
+            start = time.perf_counter()
+            try:
+                case.compiled = case.program.lower(*case.abstract).compile()
+            except Exception as err:  # noqa: BLE001 - reported with the case
+                case.error = err
+            case.compile_seconds = time.perf_counter() - start
+
+        cases = [c for c in self.planned if isinstance(c, Case)]
+        print(f"compiling {len(cases)} programs on {self.workers} threads", file=self.out, flush=True)
+        start = time.perf_counter()
+        with ThreadPoolExecutor(self.workers) as pool:
+            list(pool.map(one, cases))
+        print(f"compiled {len(cases)} programs in {time.perf_counter() - start:.0f} s on {self.workers} threads",
+              file=self.out, flush=True)  # fmt: skip
+
+    def time(self, case: Case) -> Result:
+        result = Result(case.shape, case.case, case.subject)
         start = time.perf_counter()
         try:
-            result.ms = median_ms(fn if hasattr(fn, "lower") else jax.jit(fn), args, self.calls)
+            if case.error is not None:
+                raise case.error
+            result.ms = median_ms(case.compiled, case.args(), self.calls)
+            flops = case.flops()
             result.tflops = flops / (result.ms * 1e-3) / 1e12 if flops else None
         except Exception as err:  # noqa: BLE001 - a case that fails is reported and the run goes on
             result.note = (
                 "does not fit" if does_not_fit(err) else f"failed: {type(err).__name__}: {str(err)[:300]}"
             )
-        result.seconds = time.perf_counter() - start
+        result.seconds = case.compile_seconds + time.perf_counter() - start
+        if case.case == "stacked" and result.ms:
+            self.stacked_ms[case.shape] = result.ms
         return self.record(result)
 
     def run(self, shapes) -> list[Result]:
-        import jax
-
         if "matmul" in self.cases:
             self.calibrate()
         for shape in shapes:
@@ -228,8 +290,9 @@ class Bench:
             for name, module in self.production:
                 self.variant(shape, name, module, problems[module.VARIANT["q_layout"]])
             self.sparse_peers(shape, sm)
-            del problems, sm
-            jax.clear_caches()
+        self.compile()
+        for case in self.planned:
+            self.time(case) if isinstance(case, Case) else self.record(case)
         return self.results
 
     def calibrate(self) -> None:
@@ -242,13 +305,13 @@ class Bench:
             jax.random.normal(key, (MATMUL_N,) * 2, jnp.bfloat16)
             for key in jax.random.split(jax.random.key(1))
         )
-        self.time((0,) * 6, "matmul", "bf16 matmul (calibration)", peers.matmul, (a, b), 2.0 * MATMUL_N**3)
+        self.add((0,) * 6, "matmul", "bf16 matmul (calibration)", peers.matmul, (a, b), 2.0 * MATMUL_N**3)
 
     def peers(self, shape, p: Problem) -> None:
         from codegen import peers
 
         args, every = (p.q, p.k, p.weights), p.pairs["unmasked"]
-        stacked = self.time(
+        self.add(
             shape,
             "stacked",
             "stacked-heads forward, every block",
@@ -256,30 +319,26 @@ class Bench:
             args,
             p.flops(every),
         )
-        if stacked.ms:
-            self.stacked_ms[shape] = stacked.ms
-            stacked.ratio = 1.0
         if "xla" in self.cases:
-            self.time(shape, "xla", "XLA score (logits in HBM)", peers.xla_score, args, p.flops(every))
+            self.add(shape, "xla", "XLA score (logits in HBM)", peers.xla_score, args, p.flops(every))
         if "xla.grad" in self.cases:
-            self.time(shape, "xla.grad", "XLA score, forward + gradient", with_gradient(peers.xla_score),
-                      (*args, p.cotangent), p.flops(every, 5))  # fmt: skip
+            self.add(shape, "xla.grad", "XLA score, forward + gradient", with_gradient(peers.xla_score),
+                     (*args, p.cotangent), p.flops(every, 5))  # fmt: skip
 
     def sparse_peers(self, shape, p: Problem) -> None:
         from codegen import peers
 
-        if p.indices is None:
+        if p.selection is None:  # no production variant of this layout made one
             return
-        args = (p.q, p.k, p.weights, p.indices)
+        cotangent = np.ones(p.selection_shape, np.float32)
         if "xla_sparse" in self.cases:
-            self.time(
-                shape, "xla_sparse", "XLA gather + einsums", peers.xla_sparse_score, args, p.flops(p.selected)
-            )
+            self.add(shape, "xla_sparse", "XLA gather + einsums", peers.xla_sparse_score,
+                     lambda: (p.q, p.k, p.weights, p.indices), lambda: p.flops(p.selected),
+                     (p.q, p.k, p.weights, p.abstract_indices))  # fmt: skip
         if "xla_sparse.grad" in self.cases:
-            cotangent = np.ones(p.indices.shape, np.float32)
-            self.time(shape, "xla_sparse.grad", "XLA gather + einsums, forward + gradient",
-                      with_gradient(peers.xla_sparse_score), (p.q, p.k, p.weights, cotangent, p.indices),
-                      p.flops(p.selected, 5))  # fmt: skip
+            self.add(shape, "xla_sparse.grad", "XLA gather + einsums, forward + gradient",
+                     with_gradient(peers.xla_sparse_score), lambda: (p.q, p.k, p.weights, cotangent, p.indices),
+                     lambda: p.flops(p.selected, 5), (p.q, p.k, p.weights, cotangent, p.abstract_indices))  # fmt: skip
 
     def variant(self, shape, name: str, module, p: Problem) -> None:
         import jax
@@ -288,38 +347,39 @@ class Bench:
         top_k, cases, args = p.top_k, self.cases, (p.q, p.k, p.weights)
         score = lambda q, k, w, s, e: module.score(q, k, w, kv_start=s, kv_end=e)
         causal = p.bounds["causal"]
-        forward, gradient = jax.jit(score), jax.jit(with_gradient(score))  # compiled once, for every mask
+        forward, gradient = jax.jit(score), jax.jit(with_gradient(score))  # one program for every mask
         for mask in ("unmasked", "causal", "masked"):
             if f"score.{mask}" in cases:
-                self.time(
+                self.add(
                     shape, f"score.{mask}", name, forward, (*args, *p.bounds[mask]), p.flops(p.pairs[mask])
                 )
         for mask in ("unmasked", "causal"):
             if f"grad.{mask}" in cases:
-                self.time(shape, f"grad.{mask}", name, gradient,
-                          (*args, p.cotangent, *p.bounds[mask]), p.flops(p.pairs[mask], 5))  # fmt: skip
+                self.add(shape, f"grad.{mask}", name, gradient, (*args, p.cotangent, *p.bounds[mask]),
+                         p.flops(p.pairs[mask], 5))  # fmt: skip
         selection = p.flops(p.pairs["causal"])
         if "topk" in cases and (shape[2] <= TOPK_DEFAULT_MAX_SEQ or "topk" in self.asked):
-            self.time(shape, "topk", f"{name} score_topk",
-                      lambda q, k, w, s, e: module.score_topk(q, k, w, top_k, kv_start=s, kv_end=e),
-                      (*args, *causal), selection)  # fmt: skip
+            self.add(shape, "topk", f"{name} score_topk",
+                     lambda q, k, w, s, e: module.score_topk(q, k, w, top_k, kv_start=s, kv_end=e),
+                     (*args, *causal), selection)  # fmt: skip
         elif "topk" in cases:
             note = f"not run: by default only up to S {TOPK_DEFAULT_MAX_SEQ} (it compiles for minutes); --cases topk"
-            self.record(Result(shape, "topk", f"{name} score_topk", note=note))
+            self.planned.append(Result(shape, "topk", f"{name} score_topk", note=note))
         if "topk.lax" in cases:
-            self.time(shape, "topk.lax", f"{name} score + lax.top_k",
-                      lambda *a: jax.lax.top_k(score(*a), top_k), (*args, *causal), selection)  # fmt: skip
+            self.add(shape, "topk.lax", f"{name} score + lax.top_k",
+                     lambda *a: jax.lax.top_k(score(*a), top_k), (*args, *causal), selection)  # fmt: skip
         if "topk.approx" in cases:
             approx = lambda *a: jax.lax.approx_max_k(score(*a), top_k, recall_target=APPROX_RECALL)
-            self.time(
+            self.add(
                 shape, "topk.approx", f"{name} score + lax.approx_max_k", approx, (*args, *causal), selection
             )
         if "loss.dense" in cases:
-            target = jnp.full(p.cotangent.shape, 1.0 / shape[4], jnp.float32)
+            dense_target = jnp.full(p.cotangent.shape, 1.0 / shape[4], jnp.float32)
             loss = lambda q, k, w, s, e: jax.value_and_grad(
-                lambda q, k, w: module.indexer_loss(q, k, w, target, kv_start=s, kv_end=e), argnums=(0, 1, 2)
+                lambda q, k, w: module.indexer_loss(q, k, w, dense_target, kv_start=s, kv_end=e),
+                argnums=(0, 1, 2),
             )(q, k, w)
-            self.time(
+            self.add(
                 shape,
                 "loss.dense",
                 f"{name} indexer_loss",
@@ -329,26 +389,26 @@ class Bench:
             )
         if not {"sparse", "sparse.grad", "loss.sparse", "xla_sparse", "xla_sparse.grad"} & cases:
             return
-        if p.indices is None:  # each query's top_k of its causal scores, as the indexer selects them
-            p.indices = jax.block_until_ready(self.package.topk_indices(forward(*args, *causal), top_k))
-            p.selected = int(jnp.sum(p.indices >= 0))
+        # Each query's top_k of its causal scores, as the indexer selects them: made by this variant's
+        # forward when the first sparse case runs (the layouts' scores are the same function).
+        p.selection = p.selection or (lambda: forward(*args, *causal))
         sparse = lambda q, k, w, i: module.sparse_score(q, k, w, i)
+        with_indices = lambda *lead: (lambda: (*lead, p.indices))
+        abstract = p.abstract_indices
         if "sparse" in cases:
-            self.time(
-                shape, "sparse", f"{name} sparse_score", sparse, (*args, p.indices), p.flops(p.selected)
-            )
+            self.add(shape, "sparse", f"{name} sparse_score", sparse, with_indices(*args),
+                     lambda: p.flops(p.selected), (*args, abstract))  # fmt: skip
         if "sparse.grad" in cases:
-            cotangent = np.ones(p.indices.shape, np.float32)
-            self.time(shape, "sparse.grad", f"{name} sparse_score", with_gradient(sparse),
-                      (*args, cotangent, p.indices), p.flops(p.selected, 5))  # fmt: skip
+            cotangent = np.ones(p.selection_shape, np.float32)
+            self.add(shape, "sparse.grad", f"{name} sparse_score", with_gradient(sparse),
+                     with_indices(*args, cotangent), lambda: p.flops(p.selected, 5), (*args, cotangent, abstract))  # fmt: skip
         if "loss.sparse" in cases:
-            target = jnp.full(p.indices.shape, 1.0 / top_k, jnp.float32)
+            sparse_target = jnp.full(p.selection_shape, 1.0 / top_k, jnp.float32)
             loss = lambda q, k, w, i: jax.value_and_grad(
-                lambda q, k, w: module.indexer_loss(q, k, w, target, indices=i), argnums=(0, 1, 2)
+                lambda q, k, w: module.indexer_loss(q, k, w, sparse_target, indices=i), argnums=(0, 1, 2)
             )(q, k, w)
-            self.time(
-                shape, "loss.sparse", f"{name} indexer_loss", loss, (*args, p.indices), p.flops(p.selected, 5)
-            )
+            self.add(shape, "loss.sparse", f"{name} indexer_loss", loss, with_indices(*args),
+                     lambda: p.flops(p.selected, 5), (*args, abstract))  # fmt: skip
 
 
 def environment() -> dict:
