@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import jax
@@ -174,9 +175,31 @@ def assert_close(name: str, actual, expected_f32) -> None:
         assert error <= bound, f"{name}: relative error {error:.3e} > {bound:.0e} ({actual.dtype})"
 
 
+@contextlib.contextmanager
+def tpu_lowering_target():
+    """Mosaic's TPU lowering on a machine whose device is the CPU: a rank-1 block's legality (the sparse
+    kernels' flat SMEM indices) depends on the chip's tiles, which the lowering asks the current device
+    for. Inside this, a CPU device answers as a v5e does (the rule is the same on every TPU generation
+    we target). Lowering only: nothing compiles or runs for that chip."""
+    from jax._src.pallas.mosaic import tpu_info
+
+    kind = jax.devices()[0].device_kind
+    tpu_info.registry[kind] = lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1)
+    try:
+        yield
+    finally:
+        tpu_info.registry.pop(kind, None)
+
+
+def lower_tpu(fn, *args):
+    """``jax.jit(fn)`` lowered for the TPU by Mosaic on this CPU-only machine (``tpu_lowering_target``)."""
+    with tpu_lowering_target():
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",))
+
+
 def lower_for_tpu(fn, *args) -> str:
     """Runs the Mosaic TPU lowering on this CPU-only machine; returns the StableHLO text."""
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    return lower_tpu(fn, *args).as_text()
 
 
 def mask_batch(seq_len: int, num_blocks: int, seed: int):

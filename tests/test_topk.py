@@ -248,7 +248,7 @@ def test_no_score_array_and_no_wide_sort_at_s65536_w16384(gradient):
         return jnp.sum(forward(q, k, w, start, end)[1].astype(jnp.float32))
 
     fn = jax.grad(loss, argnums=(0, 1, 2)) if gradient else forward
-    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).compiler_ir("stablehlo")
+    lowered = support.lower_tpu(fn, *args).compiler_ir("stablehlo")
     chunk = topk_module.queries_per_chunk(batch, seq_len, num_blocks, block_q=v["block_q"])
     assert chunk == 1280  # five 256-query tiles: 1280 x 16384 scores, 6 words each, in 512 MiB
     sorts, largest = [], 0  # largest: of the values with a W axis last (the scores of a chunk)

@@ -90,9 +90,7 @@ def test_lowers_for_tpu(module):
     def loss(q, k, weights):
         return jnp.sum((support.call(module, q, k, weights) * cotangent).astype(jnp.float32))
 
-    lowered = (
-        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, weights).lower(lowering_platforms=("tpu",))
-    )
+    lowered = support.lower_tpu(jax.grad(loss, argnums=(0, 1, 2)), q, k, weights)
     audit = hlo_audit.analyse(lowered.compiler_ir("stablehlo"), shape[2] * shape[4], name)
     big_in_score = sum(count for (owner, *_), count in audit.big_ops.items() if owner == "score")
     kernels = collections.Counter(call.strip('"').removeprefix(f"{name}_") for call in audit.pallas_calls)
