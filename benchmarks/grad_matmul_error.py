@@ -2,13 +2,13 @@
 
 The backward kernels multiply a float32 factor with bfloat16 k (for dq) or the stacked bfloat16 q
 (for dk) on the MXU. dq is always the masked cotangent by k, u = (g where the logit is positive) . k,
-with the head weights and q applied to u once (``_runtime.masked_cotangent_by_k``,
+with the head weights and q applied to u once (``_kernel_ops.masked_cotangent_by_k``,
 ``dq_dweights_from_u``). Where the cotangent is exact in bfloat16 (a bfloat16 score:
 ``Config.exact_cotangent``, every production variant), that is one exact pass, and dk takes the
 weights on q (w_h * q, float32). Where it is not (a float32 score, or a key scale folded into it),
 ``split`` sends g as a bfloat16 head and tail (two exact passes) and ``bf16`` rounds it (one), and dk's
 factor is dlogits = g * w_h where the logit is positive, split or rounded the same way. This runs the
-shipped ``_runtime`` functions on the kernels' own operands (heads stacked, causal mask applied) and
+shipped ``_kernel_ops`` functions on the kernels' own operands (heads stacked, causal mask applied) and
 reports the relative Frobenius error of dq, dk and dweights against float64, before and after the
 bfloat16 rounding of the returned gradient, beside the error that rounding alone makes. An error at
 float32's level prints as the bound ``<1e-05``: its digits depend on the CPU's float32 summation order.
@@ -34,7 +34,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from generated.csa_v4 import _runtime  # noqa: E402
+from generated.csa_v4 import _helpers, _kernel_ops  # noqa: E402
 
 
 def rel(x, ref) -> float:
@@ -65,13 +65,13 @@ def main(argv=None) -> None:
     q = jax.random.normal(kq, (H * S, D), jnp.bfloat16)  # heads stacked along rows, as the kernels do
     k = jax.random.normal(kk, (W, D), jnp.bfloat16)
     weights = jax.random.normal(kw, (H, S, 1), jnp.bfloat16).astype(jnp.float32)
-    visible = np.arange(W)[None, :] < ((np.arange(S) + 1) // _runtime.COMPRESS_RATE)[:, None]
+    visible = np.arange(W)[None, :] < ((np.arange(S) + 1) // _helpers.COMPRESS_RATE)[:, None]
     g32 = jnp.where(visible, jax.random.normal(kg, (S, W), jnp.float32), 0.0)  # masked entries: no gradient
     cotangents = {"bf16 g": g32.astype(jnp.bfloat16).astype(jnp.float32), "f32 g": g32}
 
     logits = jnp.dot(q, k.T, preferred_element_type=jnp.float32).reshape(H, S, W)  # exact products
     print(
-        f"H, S, D, W = {H}, {S}, {D}, {W}; causal, compress rate {_runtime.COMPRESS_RATE}; bf16 q, k, weights"
+        f"H, S, D, W = {H}, {S}, {D}, {W}; causal, compress rate {_helpers.COMPRESS_RATE}; bf16 q, k, weights"
     )
     print("relative Frobenius error against float64: float32 result / returned in bfloat16 (rounding alone)")
     print(
@@ -88,9 +88,10 @@ def main(argv=None) -> None:
             cfg = SimpleNamespace(
                 grad_matmul=mode, precision=None, exact_cotangent=exact, cotangent_parts=parts
             )
-            u = _runtime.masked_cotangent_by_k(cfg, logits, _runtime.cotangent_parts(cfg, g, k.dtype), k)
-            dq, dweights = _runtime.dq_dweights_from_u(u, q, weights)
-            out = {"dq": dq, "dk": _runtime.dk(cfg, logits, g, weights, q), "dweights": dweights[..., 0]}
+            parts_of_g = _kernel_ops.cotangent_parts(cfg, g, k.dtype)
+            u = _kernel_ops.masked_cotangent_by_k(cfg, logits, parts_of_g, k)
+            dq, dweights = _kernel_ops.dq_dweights_from_u(u, q, weights)
+            out = {"dq": dq, "dk": _kernel_ops.dk(cfg, logits, g, weights, q), "dweights": dweights[..., 0]}
             cells = [
                 f"{n} {fmt(rel(x, ref[n]))} / {fmt(rel(x.astype(jnp.bfloat16), ref[n]))} ({fmt(rounded_ref[n])})"
                 for n, x in out.items()

@@ -538,7 +538,7 @@ def threshold_report(
 def sparse_report(report: KernelReport, sched: schedule.Schedule, family: str, path: str, shape,
                   plan: VariantPlan, kernel: str, top_k: int, bounds=()) -> KernelReport:  # fmt: skip
     """A sparse kernel over all its calls: one per window of k (all of W in one where it fits VMEM), by
-    the family's own rule (``_runtime.sparse_key_windows``) for the dtype the kernel gathers in.
+    the family's own rule (``_gather.sparse_key_windows``) for the dtype the kernel gathers in.
 
     What runs once per batch element of a call is counted so, not on every step: the DMAs of the
     resident blocks (k's window and its dk: their index follows b only; the compiler issues them
@@ -573,8 +573,8 @@ def sparse_report(report: KernelReport, sched: schedule.Schedule, family: str, p
 
 
 def sparse_windows(family: str, path: str, variant: str, kernel: str, shape, top_k: int):
-    """(the family's ``_runtime``, (rows per window, windows, dk accumulators)) of a sparse kernel of
-    ``variant`` at ``shape``: the family's own rule (``_runtime.sparse_key_windows``) for the dtype the
+    """(the family's ``_gather``, (rows per window, windows, dk accumulators)) of a sparse kernel of
+    ``variant`` at ``shape``: the family's own rule (``_gather.sparse_key_windows``) for the dtype the
     kernel gathers in and the accumulators it may hold."""
     _, heads, _, head_dim, width = shape
     if path and path not in sys.path:
@@ -583,11 +583,11 @@ def sparse_windows(family: str, path: str, variant: str, kernel: str, shape, top
     sparse = module._sparse
     backward = kernel == "sparse_backward"
     gather = sparse.SPARSE_BACKWARD_GATHER_DTYPE if backward else sparse.SPARSE_GATHER_DTYPE
-    most = sparse._runtime.SPARSE_DK_COPIES if backward else 0
-    windows = sparse._runtime.sparse_key_windows(
+    most = sparse._gather.SPARSE_DK_COPIES if backward else 0
+    windows = sparse._gather.sparse_key_windows(
         width, head_dim, heads, top_k, gather, module.VARIANT["q_dtype"], most
     )
-    return sparse._runtime, windows
+    return sparse._gather, windows
 
 
 def _window_trips(runtime, shape, top_k: int, rows: int, calls: int, bounds) -> np.ndarray:
@@ -598,7 +598,7 @@ def _window_trips(runtime, shape, top_k: int, rows: int, calls: int, bounds) -> 
     blocks uniformly among those it sees (``[kv_start, kv_end)`` of ``bounds``; every block without),
     the selection ``score_topk`` makes of random scores, drawn with a fixed seed window by window
     (multivariate hypergeometric counts). Its slots, sorted by block, then span each window as
-    ``_runtime.window_spans`` says, and cost the trips ``_runtime.span_trips`` says."""
+    ``_gather.window_spans`` says, and cost the trips ``_gather.span_trips`` says."""
     batch, _, seq_len, _, width = shape
     if bounds:
         kv_start, kv_end = (np.asarray(b, np.int64).reshape(batch, seq_len) for b in bounds)

@@ -47,7 +47,7 @@ class Block:
     dtype: str
     # An output's whole array: its shape (symbols of the prepared operands ``x``, or the name of the
     # operand it mirrors), the variant dtype it takes ("out": the call's), and the input whose gradient
-    # it is (float32 where that input arrived upcast; see _runtime.grad_dtype).
+    # it is (float32 where that input arrived upcast; see _operands.grad_dtype).
     array: tuple[str, ...] | str = ()
     dtype_key: str = ""
     grad_of: str = ""
@@ -159,9 +159,9 @@ class VariantPlan:
     # "bf16" (one pass), or "plain" (float32 q/k: one pass at the variant's precision)
     grad_matmul: str
     # the cotangent is exact in the MXU's type (a score in that dtype): dk transposes it, masked, in that
-    # type and takes each head's weight on q (``_runtime.dk``)
+    # type and takes each head's weight on q (``_kernel_ops.dk``)
     exact_cotangent: bool
-    # MXU passes of the masked cotangent by k in dq (``_runtime.masked_cotangent_by_k``): 1 where it is
+    # MXU passes of the masked cotangent by k in dq (``_kernel_ops.masked_cotangent_by_k``): 1 where it is
     # exact in the MXU's type or rounded to it, 2 where a float32 one is split into a head and a tail
     cotangent_parts: int
     kernels: tuple[KernelPlan, ...]
@@ -177,7 +177,7 @@ class VariantPlan:
     def dense_module(self) -> str:
         """The generated module whose dense kernels this variant runs: one per kernel shape (q layout,
         head chunking, float8 upcast, key scale), shared by every tiling and dtype of that shape,
-        which the variant passes in as its ``_runtime.Config``."""
+        which the variant passes in as its ``_operands.Config``."""
         v, policy = self.variant, self.variant.policy
         upcast = self.mxu_operand != policy.qk
         name = f"_dense_{'hm' if v.head_major else 'sm'}_{'hc' if v.head_chunk else 'hcall'}"

@@ -1,6 +1,6 @@
 """A family's plans -> formatted Python source: Jinja2 templates, then black. Pure: writes nothing.
 
-A family package holds, besides its ``__init__``: ``_runtime`` and ``_geometry``, copied as they are
+A family package holds, besides its ``__init__``: the modules of ``SHIPPED``, copied as they are
 from ``codegen/shipped/`` (what every variant shares), ``_family`` (the spec's few constants they
 read), one ``_dense_*`` module per dense kernel shape and one ``_sparse_*`` module per sparse one
 (each written once for every variant that runs it), and one small module per variant binding its
@@ -27,11 +27,14 @@ from codegen.plan import VariantPlan
 
 # Black's style is pinned by its major version in pyproject.toml; the line length is ours.
 BLACK_MODE = black.Mode(line_length=110, target_versions={black.TargetVersion.PY310})
-RUNTIME = "_runtime"  # the family module every variant imports what they share from
-SHIPPED = ("_geometry", "_runtime", "_topk")  # copied from codegen/shipped/ into every family package
+# Copied from codegen/shipped/ into every family package (see codegen/shipped/__init__.py).
+SHIPPED = (
+    "_geometry", "_checks", "_fp8", "_mesh", "_kernel_ops", "_operands", "_gather", "_autodiff", "_helpers",
+    "_topk",
+)  # fmt: skip
 _BACKWARD = {
     "fused": "two fused Pallas kernels (``_dense.backward``: dq with dweights, and dk), logits recomputed in VMEM",
-    "reference": "the float32 reference VJP, scanned over head chunks (``_runtime.reference_backward``)",
+    "reference": "the float32 reference VJP, scanned over head chunks (``_autodiff.reference_backward``)",
 }
 
 

@@ -263,16 +263,16 @@ def sparse_key_windows(monkeypatch, module, shape, top_k, windows):
     takes k of ``shape`` (B, H, S, D, W) in ``windows`` windows, one call each, and the forward (no dk
     held) in fewer (more than one where its gathered rows are as wide as the backward's); returns the
     rows of the backward's window."""
-    from generated.csa_v4 import _geometry, _runtime  # the family's own rule, not a copy of it
+    from generated.csa_v4 import _gather, _geometry  # the family's own rule, not a copy of it
 
     _, heads, _, head_dim, num_blocks = shape
     rows = _geometry.round_up(-(-num_blocks // windows), _geometry.MIN_SUBLANES)
     q_dtype, pad = jnp.dtype(module.VARIANT["q_dtype"]), _geometry.sparse_top_k_pad(top_k)
     gathers = (module._sparse.SPARSE_GATHER_DTYPE, module._sparse.SPARSE_BACKWARD_GATHER_DTYPE)
     need = max(_geometry.sparse_vmem_bytes(rows, head_dim, heads, pad, dtype, q_dtype) for dtype in gathers)
-    monkeypatch.setattr(_runtime, "SPARSE_VMEM_CAPACITY_BYTES", int(need * _geometry.VMEM_HEADROOM) + 1)
-    backward = _runtime.sparse_key_windows(num_blocks, head_dim, heads, top_k, gathers[1], q_dtype, 1)
-    forward = _runtime.sparse_key_windows(num_blocks, head_dim, heads, top_k, gathers[0], q_dtype)
+    monkeypatch.setattr(_gather, "SPARSE_VMEM_CAPACITY_BYTES", int(need * _geometry.VMEM_HEADROOM) + 1)
+    backward = _gather.sparse_key_windows(num_blocks, head_dim, heads, top_k, gathers[1], q_dtype, 1)
+    forward = _gather.sparse_key_windows(num_blocks, head_dim, heads, top_k, gathers[0], q_dtype)
     assert backward[:2] == (rows, windows) and forward[1] < windows, (forward, backward)
     assert forward[1] > 1 or gathers[0] != gathers[1], (forward, backward)
     return rows

@@ -135,7 +135,7 @@ def test_diff_between_fused_and_reference_backward_touches_only_the_backward(cap
     # The two bind the same forward kernels to different backwards, and the reference one's sparse
     # backward gathers float32 rows: a module of its own.
     assert "-    functools.partial(_dense.backward, CONFIG)," in changed
-    assert "+    functools.partial(_runtime.reference_backward, CONFIG)," in changed
+    assert "+    functools.partial(_autodiff.reference_backward, CONFIG)," in changed
     assert "+from . import _sparse_bf16_refbwd as _sparse" in changed
     assert not [line for line in changed if "_dense.forward" in line or "BLOCK_" in line or "_dense_" in line]
 

@@ -281,7 +281,7 @@ def test_sparse_kernels_cost_their_windows_and_once_per_batch_work_once(num_bloc
     (result,) = tpu_compile.compile_many([request], keep=str(tmp_path))
     assert result.ok, result.error
     module = __import__(f"generated.csa_v4.{PRODUCTION}", fromlist=["_sparse"])
-    runtime, gather = module._sparse._runtime, module._sparse.SPARSE_BACKWARD_GATHER_DTYPE
+    runtime, gather = module._sparse._gather, module._sparse.SPARSE_BACKWARD_GATHER_DTYPE
     rows, calls, copies = runtime.sparse_key_windows(num_blocks, 128, 64, top_k, gather, "bfloat16", 4)
     assert calls == windows and copies == (4 if windows == 1 else 1)
     sched = schedule.parse(*result.kernels()[f"{PRODUCTION}_sparse_backward"], dynamic=True)

@@ -55,22 +55,22 @@ def test_quantize_fp8_per_token():
 def test_float8_upcast_is_exact_on_every_code(monkeypatch, e4m3b11):
     # The kernels' float8 upcast: through e4m3b11fnuz's unpack (v5e, v5p, v6e, and interpret mode) or
     # a plain astype (7x): every one of the 256 codes exact, subnormals, +-448 and NaN included.
-    from generated.csa_v4 import _runtime
+    from generated.csa_v4 import _fp8
 
-    monkeypatch.setattr(_runtime, "unpacks_e4m3b11", lambda: e4m3b11)
+    monkeypatch.setattr(_fp8, "unpacks_e4m3b11", lambda: e4m3b11)
     x = jax.lax.bitcast_convert_type(jnp.arange(256, dtype=jnp.uint8), jnp.float8_e4m3fn)
     want = np.asarray(x, np.float32)
     assert np.isnan(want).sum() == 2 and np.abs(want[~np.isnan(want)]).max() == 448.0
     for dtype in (jnp.bfloat16, jnp.float32):
-        got = _runtime.upcast(x, dtype)  # eager: the route is chosen as it is traced, and jit would cache it
+        got = _fp8.upcast(x, dtype)  # eager: the route is chosen as it is traced, and jit would cache it
         assert got.dtype == dtype
         np.testing.assert_array_equal(np.asarray(got, np.float32), want)  # NaN where NaN; -0 reads as 0
 
 
 def test_float8_upcast_route_off_a_tpu_is_the_e4m3b11_unpack():
-    from generated.csa_v4 import _runtime
+    from generated.csa_v4 import _fp8
 
-    assert jax.default_backend() != "tpu" and _runtime.unpacks_e4m3b11()
+    assert jax.default_backend() != "tpu" and _fp8.unpacks_e4m3b11()
 
 
 def _quantised_problem(variant, shape, seed):
@@ -158,18 +158,18 @@ def test_key_scale_is_rejected_where_keys_carry_none():
 def test_gradient_matmul_modes(dims):
     """grad_matmul "split" keeps float32 dlogits to float32 accuracy (a bfloat16 head and tail); "bf16"
     is exactly one pass of dlogits rounded to bfloat16, about 2**-9 relative."""
-    from generated.csa_v4 import _runtime
+    from generated.csa_v4 import _kernel_ops, _operands
 
     kl, kr = jax.random.split(jax.random.key(3))
     lhs = jax.random.normal(kl, (256, 256), jnp.float32)  # dlogits
     rhs = jax.random.normal(kr, (256, 128), jnp.bfloat16)  # k, or the stacked q
-    numbers = getattr(_runtime, dims)
+    numbers = getattr(_kernel_ops, dims)
     lhs64, rhs64 = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
     exact = lhs64 @ rhs64 if dims == "CONTRACT_INNER" else lhs64.T @ rhs64
 
     def run(mode):
-        cfg = _runtime.Config({}, 8, None, mode, False, 1, {}, {})
-        return np.asarray(_runtime.grad_matmul(cfg, lhs, rhs, numbers), np.float64)
+        cfg = _operands.Config({}, 8, None, mode, False, 1, {}, {})
+        return np.asarray(_kernel_ops.grad_matmul(cfg, lhs, rhs, numbers), np.float64)
 
     def error(x):
         return np.linalg.norm(x - exact) / np.linalg.norm(exact)

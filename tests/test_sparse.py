@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from codegen import plan, reference
-from generated.csa_v4 import VARIANTS, _geometry, _runtime, topk_indices
+from generated.csa_v4 import VARIANTS, _gather, _geometry, _helpers, topk_indices
 from tests import support
 from tests.spec_cases import ROOT, family
 
@@ -149,7 +149,7 @@ def test_windowed_slot_orders_sort_by_block_ties_to_the_lower_slot(num_blocks):
     # unstably where it fits, a stable argsort where it does not; both are NumPy's stable argsort
     rng = np.random.default_rng(3)
     key = rng.integers(0, 41, (2, 5, 64)).astype(np.int32)  # duplicates; 40 stands for "no block"
-    order, unorder = _runtime.slot_orders(jnp.asarray(key), num_blocks)
+    order, unorder = _gather.slot_orders(jnp.asarray(key), num_blocks)
     assert order.dtype == unorder.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(order), np.argsort(key, axis=-1, kind="stable"))
     np.testing.assert_array_equal(
@@ -181,7 +181,7 @@ def test_sparse_score_checks_indices_and_takes_k_in_windows_past_vmem():
     # 1M tokens at compress rate 4: W = 262144 keys of 128 bfloat16 lanes and their float32 dk are
     # 256 MiB as the kernels hold them, past the smallest target's 64 MiB: six windows of k, one call
     # each, at H = 64, top_k = 1024 (the gradient's check: the forward gathers in a narrower dtype).
-    most = _runtime.sparse_vmem_rows(128, 64, 1024, jnp.float32, jnp.bfloat16)
+    most = _gather.sparse_vmem_rows(128, 64, 1024, jnp.float32, jnp.bfloat16)
     assert 40000 < most < 50000 and _geometry.sparse_windows(262144, most) == (43696, 6)
     assert _geometry.sparse_windows(16384, most) == (16384, 1)  # the benchmark's long shape: resident
     big_k = jax.ShapeDtypeStruct((1, 262144, 128), jnp.bfloat16)
@@ -334,17 +334,13 @@ def test_indexer_loss_matches_a_direct_computation(name):
     def reference_loss(q, k, w):
         scores = reference.score(q, k, w, q_layout=variant["q_layout"], **scale)
         picked = jnp.take_along_axis(scores, jnp.clip(indices, 0, num_blocks - 1), axis=2)
-        from generated.csa_v4 import _runtime
-
-        return _runtime.kl_over_sets(picked, target, in_set)
+        return _helpers.kl_over_sets(picked, target, in_set)
 
     def dense_reference_loss(q, k, w):
         scores = reference.score(
             q, k, w, q_layout=variant["q_layout"], kv_start=kv_start, kv_end=kv_end, **scale
         )
-        from generated.csa_v4 import _runtime
-
-        return _runtime.kl_over_sets(scores, dense_target, visible)
+        return _helpers.kl_over_sets(scores, dense_target, visible)
 
     upcast = [jnp.asarray(x, jnp.float32) for x in (q, k, weights)]
     expected = support.on_cpu(jax.grad(reference_loss, argnums=(0, 1, 2)), *upcast)

@@ -124,7 +124,7 @@ SPARSE_GATHER_UNROLL = 16
 # on the stores to its accumulator before it (the compiler cannot tell two dynamic rows apart), so one
 # accumulator chains every slot (~5 bundles a slot by the TPU compiler's schedule) and four overlap
 # four chains (~2.6), at the cost of three more dk's of VMEM: taken where they leave the windows of k
-# as few as one accumulator does (``_runtime.sparse_key_windows``).
+# as few as one accumulator does (``_gather.sparse_key_windows``).
 SPARSE_SCATTER_UNROLL = 16
 SPARSE_DK_COPIES = 4
 

@@ -35,7 +35,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import _geometry, _runtime
+from . import _checks, _gather, _geometry, _kernel_ops, _mesh
 
 DEFAULT_WORKING_BYTES = 512 * 2**20  # the working set of a chunk of queries, scores included
 # 32-bit words held per score of a chunk while it is selected: the score, its key, the two running
@@ -236,16 +236,16 @@ def threshold(scores, top_k, interpret=False, name="topk_threshold", kv_start=No
             out_specs=pl.BlockSpec((block[0], 128), lambda i, spans: (i, 0)),
             scratch_shapes=[pltpu.VMEM(block, jnp.int32)],
         ),
-        out_shape=_runtime.out_struct((rows.shape[0], 128), jnp.int32, rows),  # varies as the scores do
+        out_shape=_mesh.out_struct((rows.shape[0], 128), jnp.int32, rows),  # varies as the scores do
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel",),
-            vmem_limit_bytes=_geometry.vmem_limit(need, _runtime.SPARSE_SCOPED_VMEM_DEFAULT_BYTES),
+            vmem_limit_bytes=_geometry.vmem_limit(need, _gather.SPARSE_SCOPED_VMEM_DEFAULT_BYTES),
         ),
         interpret=interpret,
         name=name,
     )
-    # interpreted inside shard_map, as the variants' kernels are (see _runtime.interpretable)
-    out = _runtime.interpretable(lambda a: call(*a), (spans, rows), interpret)
+    # interpreted inside shard_map, as the variants' kernels are (see _mesh.interpretable)
+    out = _mesh.interpretable(lambda a: call(*a), (spans, rows), interpret)
     t = jax.lax.bitcast_convert_type(out[:, :1], jnp.uint32).reshape(*lead, 1)
     return t, out[:, 1:2].reshape(*lead, 1)
 
@@ -353,7 +353,7 @@ def select(scores, top_k, interpret=False, name="topk_threshold", kv_start=None,
         values = _scores_of_order_keys(order, scores.dtype, top_k)
     else:
         values = jnp.take_along_axis(scores, jnp.minimum(index, width - 1), axis=-1)
-    masked = jnp.asarray(_runtime.MASKED_VALUE, scores.dtype)
+    masked = jnp.asarray(_kernel_ops.MASKED_VALUE, scores.dtype)
     return jnp.where(filled, index, -1).astype(jnp.int32), jnp.where(filled, values, masked)
 
 
@@ -363,7 +363,7 @@ def _chunked(
     """(indices, scores) of every query, ``chunk`` queries at a time in a loop: only a chunk's
     [B, chunk, W] scores ever exist."""
     seq_axis = 2 if variant["q_layout"] == "head_major" else 1
-    batch, _, seq_len, _ = _runtime.q_dims(q, variant["q_layout"])
+    batch, _, seq_len, _ = _checks.q_dims(q, variant["q_layout"])
     steps = -(-seq_len // chunk)
 
     def one(_, step):
@@ -434,11 +434,11 @@ def differentiable(variant, score, sparse_score):
 
         Works inside ``jax.shard_map`` on per-device shards, as ``score`` does.
         """
-        kv_start, kv_end, k_scale, softmax_scale = _runtime.check_call(
+        kv_start, kv_end, k_scale, softmax_scale = _checks.check_call(
             variant, q, k, weights, kv_start, kv_end, k_scale, softmax_scale
         )
-        top_k = _runtime.check_top_k(top_k)
-        batch, _, seq_len, _ = _runtime.q_dims(q, variant["q_layout"])
+        top_k = _checks.check_top_k(top_k)
+        batch, _, seq_len, _ = _checks.q_dims(q, variant["q_layout"])
         chunk = queries_per_chunk(batch, seq_len, k.shape[1], working_bytes, variant["block_q"])
         with jax.named_scope(f"{variant['name']}_topk"):
             return core(q, k, weights, k_scale, kv_start, kv_end, softmax_scale, interpret, top_k, chunk)
@@ -447,18 +447,18 @@ def differentiable(variant, score, sparse_score):
 
 
 def sharded(
-    variant, score_topk, q, k, weights, top_k, *, mesh, batch_axes=_runtime.DEFAULT_BATCH_AXES, context_axis=None,
+    variant, score_topk, q, k, weights, top_k, *, mesh, batch_axes=_mesh.DEFAULT_BATCH_AXES, context_axis=None,
     kv_start=None, kv_end=None, k_scale=None, softmax_scale=None, interpret=False,
     working_bytes=DEFAULT_WORKING_BYTES,
 ):  # fmt: skip
     """``score_topk`` inside a ``jax.shard_map`` over ``mesh``: the global ``[B, S, top_k]`` indices and
-    scores. B over the batch axes and S over ``context_axis`` as for ``_runtime.sharded_score``; a
+    scores. B over the batch axes and S over ``context_axis`` as for ``_mesh.sharded_score``; a
     query's selection needs only its own scores, so nothing is exchanged but k's gradient (summed over
     the context axis). H is not sharded: a head axis would all-reduce the [B, S/cp, W] partial scores
     before any selection, the very array this avoids. ``working_bytes`` bounds each device's chunk."""
-    softmax_scale = _runtime.check_call(variant, q, k, weights, kv_start, kv_end, k_scale, softmax_scale)[3]
-    top_k = _runtime.check_top_k(top_k)
-    arrays, specs, (b, s) = _runtime.mesh_operands(
+    softmax_scale = _checks.check_call(variant, q, k, weights, kv_start, kv_end, k_scale, softmax_scale)[3]
+    top_k = _checks.check_top_k(top_k)
+    arrays, specs, (b, s) = _mesh.mesh_operands(
         variant, mesh, q, k, weights, kv_start, kv_end, k_scale,
         batch_axes=batch_axes, context_axis=context_axis, head_axis=None,
     )  # fmt: skip

@@ -23,9 +23,9 @@ dense (every visible block) or sparse (the selected ones).
 """
 
 from ._geometry import block_kind
-from ._runtime import (
-    COMPRESS_RATE, Variants, causal_kv_range, quantize_fp8_per_token, tile_ranges, topk_indices,
-)  # fmt: skip
+from ._fp8 import quantize_fp8_per_token
+from ._helpers import COMPRESS_RATE, Variants, causal_kv_range, topk_indices
+from ._operands import tile_ranges
 
 from . import tpu_hm_bf16_q16_w128_hc16
 from . import tpu_hm_bf16_q16_w128_hcall

@@ -4,7 +4,7 @@
 (``forward``) and its fused backward (``backward``: dq with dweights, and dk), which recompute the
 logits tile by tile in VMEM and never hold a [B, H, S, W] (nor [B, S, W]) tensor.
 
-Shared by tpu_hm_bf16_q16_w128_hc16, tpu_hm_bf16_q256_w2048c512_hc16, tpu_hm_f32_q16_w128_hc16, tpu_hm_f32_q256_w2048c512_hc16. Each passes its ``_runtime.Config`` as ``cfg``: tiling, dtypes, MXU precision, VMEM limits.
+Shared by tpu_hm_bf16_q16_w128_hc16, tpu_hm_bf16_q256_w2048c512_hc16, tpu_hm_f32_q16_w128_hc16, tpu_hm_f32_q256_w2048c512_hc16. Each passes its ``_operands.Config`` as ``cfg``: tiling, dtypes, MXU precision, VMEM limits.
 Grid axes: b batch, i q block, j w tile, c head chunk (the backward's: the forward contracts every head of its q block in a step, a chunk per matmul, so it stores each compute block's scores once). A grid step's tiles are one DMA each; inside
 it every kernel steps through block_w // compute_w compute blocks: one that no query of the q block
 may see (by two int32 of the q block) does no work; one with work contracts its heads stacked into
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import _runtime
+from . import _kernel_ops, _operands
 
 # From the kernel plan: the grid axes each operand's block index follows (b batch, c head chunk,
 # i q block, j w tile), for the DMA count of each pallas_call's cost estimate.
@@ -68,7 +68,7 @@ def _forward_reads(num_q_blocks, num_chunks, b, i, j, w_lo_ref, w_hi_ref, *_):
     del num_chunks  # no head chunk to hold
     row = b * num_q_blocks + i
     lo, hi = w_lo_ref[row], w_hi_ref[row]
-    j = _runtime.clamp(j, lo, hi)
+    j = _operands.clamp(j, lo, hi)
     return b, 0, i, j
 
 
@@ -77,7 +77,7 @@ def _dq_dweights_reads(num_q_blocks, num_chunks, b, i, c, j, w_lo_ref, w_hi_ref,
     del num_chunks  # no head chunk to hold
     row = b * num_q_blocks + i
     lo, hi = w_lo_ref[row], w_hi_ref[row]
-    j = _runtime.clamp(j, lo, hi)
+    j = _operands.clamp(j, lo, hi)
     return b, c, i, j
 
 
@@ -85,8 +85,8 @@ def _dk_reads(num_w_blocks, num_chunks, b, j, i, c, q_lo_ref, q_hi_ref, *_):
     """The (b, c, i, j) whose tiles dk step (b, j, i, c) reads: i clamped into [q_lo, q_hi) of its w block and c held, so a step with no work keeps the tiles of its neighbour that has some and no DMA is issued."""
     row = b * num_w_blocks + j
     lo, hi = q_lo_ref[row], q_hi_ref[row]
-    c = _runtime.hold(c, i, lo, hi, num_chunks)
-    i = _runtime.clamp(i, lo, hi)
+    c = _operands.hold(c, i, lo, hi, num_chunks)
+    i = _operands.clamp(i, lo, hi)
     return b, c, i, j
 
 
@@ -106,9 +106,9 @@ def _head(ref, h, head_dim):
 
 def _put_heads(ref, heads, x, head_dim, *, add=False):
     """Stores ``x``, stacked as ``_stacked_q`` stacks heads, into ``heads`` of ``ref``, or adds it to what
-    they hold as ``add`` says (``_runtime.added``: True, or a traced bool)."""
+    they hold as ``add`` says (``_kernel_ops.added``: True, or a traced bool)."""
     x = x.reshape(heads.stop - heads.start, -1, head_dim)
-    ref[heads] = _runtime.added(lambda: ref[heads], x, add)
+    ref[heads] = _kernel_ops.added(lambda: ref[heads], x, add)
 
 
 def _k_block(k_ref, cols):
@@ -127,7 +127,11 @@ def _logits(cfg, q, k, heads):
     """The logits of ``heads`` heads, ``[heads, block_q, compute_w]`` float32: their stacked q
     ``[heads * block_q, D]`` against one key block ``[compute_w, D]``, one matmul."""
     logits = jax.lax.dot_general(
-        q, k, _runtime.CONTRACT_LAST, precision=cfg.precision, preferred_element_type=_runtime.ACCUM_DTYPE
+        q,
+        k,
+        _kernel_ops.CONTRACT_LAST,
+        precision=cfg.precision,
+        preferred_element_type=_kernel_ops.ACCUM_DTYPE,
     )
     return logits.reshape(heads, q.shape[0] // heads, k.shape[0])
 
@@ -152,7 +156,7 @@ def _forward_kernel(
     b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     del w_lo_ref, w_hi_ref  # used by the index maps only
     row = b * pl.num_programs(1) + i
-    for block in _runtime.compute_blocks((any_lo_ref, any_hi_ref), row, j, k_ref.shape[0], cfg.compute_w):
+    for block in _kernel_ops.compute_blocks((any_lo_ref, any_hi_ref), row, j, k_ref.shape[0], cfg.compute_w):
 
         @pl.when(block.work)
         def _store():
@@ -161,14 +165,14 @@ def _forward_kernel(
             for c in range(1, weights_ref.shape[0]):  # the other head chunks: one matmul each
                 acc += _head_sum(cfg, q_ref, k, weights_ref, c, head_dim)
             scores = softmax_scale * acc
-            out_ref[:, block.cols] = _runtime.mask(
-                block, scores, kv_bounds_ref, _runtime.MASKED_VALUE
+            out_ref[:, block.cols] = _kernel_ops.mask(
+                block, scores, kv_bounds_ref, _kernel_ops.MASKED_VALUE
             ).astype(out_ref.dtype)
 
         @pl.when(jnp.logical_not(block.work))
         def _store_masked():
             out_ref[:, block.cols] = jnp.full(
-                (out_ref.shape[0], block.width), _runtime.MASKED_VALUE, out_ref.dtype
+                (out_ref.shape[0], block.width), _kernel_ops.MASKED_VALUE, out_ref.dtype
             )
 
 
@@ -184,8 +188,8 @@ def _head_sum(cfg, q_ref, k, weights_ref, c, head_dim):
 
 def forward(cfg, q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret, out_dtype):
     """The score of the variant ``cfg`` in ``out_dtype`` through one pallas_call; never holds more than a [block_q, block_w] tile of logits."""
-    x = _runtime.prepare(cfg, q, k, weights, kv_start, kv_end, k_scale)
-    results = _runtime.kernel_call(
+    x = _operands.prepare(cfg, q, k, weights, kv_start, kv_end, k_scale)
+    results = _operands.kernel_call(
         functools.partial(_forward_kernel, cfg=cfg, softmax_scale=softmax_scale, head_dim=x.head_dim),
         x,
         cfg,
@@ -204,7 +208,7 @@ def forward(cfg, q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interp
         interpret=interpret,
     )
 
-    return _runtime.crop_to(results[0], (x.batch, x.seq_len, x.num_blocks))
+    return _operands.crop_to(results[0], (x.batch, x.seq_len, x.num_blocks))
 
 
 def _dq_dweights_kernel(
@@ -226,30 +230,30 @@ def _dq_dweights_kernel(
     last = j == pl.num_programs(3) - 1
 
     row = b * pl.num_programs(1) + i
-    for block in _runtime.compute_blocks((any_lo_ref, any_hi_ref), row, j, k_ref.shape[0], cfg.compute_w):
+    for block in _kernel_ops.compute_blocks((any_lo_ref, any_hi_ref), row, j, k_ref.shape[0], cfg.compute_w):
 
         @pl.when(block.work)
         def _accumulate():
             k = _k_block(k_ref, block.cols)
-            g = _runtime.cotangent_parts(cfg, _cotangent(block, g_ref, kv_bounds_ref), k.dtype)
-            for heads in _runtime.head_groups(weights_ref.shape[1]):
+            g = _kernel_ops.cotangent_parts(cfg, _cotangent(block, g_ref, kv_bounds_ref), k.dtype)
+            for heads in _kernel_ops.head_groups(weights_ref.shape[1]):
                 logits = _logits(cfg, _stacked_q(q_ref, heads, head_dim), k, heads.stop - heads.start)
-                u = _runtime.masked_cotangent_by_k(cfg, logits, g, k)  # [n * block_q, D]
+                u = _kernel_ops.masked_cotangent_by_k(cfg, logits, g, k)  # [n * block_q, D]
                 _put_heads(dq_acc_ref, heads, u, head_dim, add=jnp.logical_not(block.opens))
 
     @pl.when(last)
     def _store():  # dq_acc holds u: dq and dweights from it and q, head by head
         # the weights carry the softmax scale into dq; dweights = sum_d q u does not involve them
         weights = weights_ref[...]
-        seen = _runtime.row_has_work((any_lo_ref, any_hi_ref), row)
+        seen = _kernel_ops.row_has_work((any_lo_ref, any_hi_ref), row)
         lanes = jax.lax.broadcasted_iota(jnp.int32, weights.shape, 1)
         dweights = jnp.zeros(weights.shape, jnp.float32)  # [block_q, heads], as dweights_ref
         for h in range(weights.shape[1]):
             # a row no query of which sees any block was never written: its dq and dweights are 0
             u = jnp.where(seen, _head(dq_acc_ref, h, head_dim), 0.0)
             q = _head(q_ref, h, head_dim)
-            w = softmax_scale * _runtime.lane_broadcast(weights, h, head_dim)
-            dq, dweights_h = _runtime.dq_dweights_from_u(u, q, w[None])
+            w = softmax_scale * _kernel_ops.lane_broadcast(weights, h, head_dim)
+            dq, dweights_h = _kernel_ops.dq_dweights_from_u(u, q, w[None])
             _put_heads(dq_acc_ref, slice(h, h + 1), dq, head_dim)
             # head h's column into lane h by a select: as a row, the XLU (busy with the lane sums)
             # would move it across lanes
@@ -261,7 +265,7 @@ def _dq_dweights_kernel(
 def _cotangent(block, g_ref, kv_bounds_ref):
     """The cotangent of one compute block, ``[block_q, compute_w]`` float32, zero where the query may not
     see the block: masked entries get no gradient, whatever the cotangent holds there."""
-    return _runtime.mask(block, g_ref[:, block.cols].astype(jnp.float32), kv_bounds_ref, 0.0)
+    return _kernel_ops.mask(block, g_ref[:, block.cols].astype(jnp.float32), kv_bounds_ref, 0.0)
 
 
 def _dk_kernel(
@@ -288,17 +292,17 @@ def _dk_kernel(
         dk_acc_ref[...] = jnp.zeros_like(dk_acc_ref)
 
     row = b * pl.num_programs(2) + i
-    for block in _runtime.compute_blocks((any_lo_ref, any_hi_ref), row, j, k_ref.shape[0], cfg.compute_w):
+    for block in _kernel_ops.compute_blocks((any_lo_ref, any_hi_ref), row, j, k_ref.shape[0], cfg.compute_w):
 
         @pl.when(block.work)
         def _accumulate():
             k = _k_block(k_ref, block.cols)
             g = _cotangent(block, g_ref, kv_bounds_ref)
-            for heads in _runtime.head_groups(weights_ref.shape[1]):
+            for heads in _kernel_ops.head_groups(weights_ref.shape[1]):
                 q = _stacked_q(q_ref, heads, head_dim)
                 weights = _head_weights(weights_ref, heads)  # [n, block_q, 1]
                 logits = _logits(cfg, q, k, weights.shape[0])
-                dk_acc_ref[block.cols, :] += _runtime.dk(cfg, logits, g, weights, q)
+                dk_acc_ref[block.cols, :] += _kernel_ops.dk(cfg, logits, g, weights, q)
 
     @pl.when(last)
     def _store():
@@ -313,10 +317,10 @@ def backward(cfg, softmax_scale, interpret, out_dtype, residuals, g):
     """
     del out_dtype  # g arrives in it; the kernels read it as float32
     q, k, weights, kv_start, kv_end, k_scale = residuals
-    x = _runtime.prepare(cfg, q, k, weights, kv_start, kv_end, k_scale)
+    x = _operands.prepare(cfg, q, k, weights, kv_start, kv_end, k_scale)
     # Padding is masked: its cotangent is never read.
-    g = _runtime.pad_to(_runtime.pad_to(g, 1, x.seq_pad), 2, x.blocks_pad)
-    results = _runtime.kernel_call(
+    g = _operands.pad_to(_operands.pad_to(g, 1, x.seq_pad), 2, x.blocks_pad)
+    results = _operands.kernel_call(
         functools.partial(_dq_dweights_kernel, cfg=cfg, softmax_scale=softmax_scale, head_dim=x.head_dim),
         x,
         cfg,
@@ -329,9 +333,9 @@ def backward(cfg, softmax_scale, interpret, out_dtype, residuals, g):
         scalar_prefetch=(x.ranges.w_lo, x.ranges.w_hi, x.ranges.any_lo, x.ranges.any_hi),
         inputs={"q": x.q, "k": x.k, "weights": x.weights, "kv_bounds": x.kv_bounds, "g": g},
         outputs={
-            "dq": jax.ShapeDtypeStruct(x.q.shape, _runtime.grad_dtype(q, cfg.dtype("qk_grad"))),
+            "dq": jax.ShapeDtypeStruct(x.q.shape, _operands.grad_dtype(q, cfg.dtype("qk_grad"))),
             "dweights": jax.ShapeDtypeStruct(
-                x.weights.shape, _runtime.grad_dtype(weights, cfg.dtype("weights"))
+                x.weights.shape, _operands.grad_dtype(weights, cfg.dtype("weights"))
             ),
         },
         scratch=[pltpu.VMEM((x.heads, x.block_q, x.head_dim), jnp.float32)],
@@ -341,10 +345,10 @@ def backward(cfg, softmax_scale, interpret, out_dtype, residuals, g):
     )
 
     dq, dweights = results
-    dq = _runtime.crop_to(dq, (x.batch, x.num_heads, x.seq_len, x.head_dim))
+    dq = _operands.crop_to(dq, (x.batch, x.num_heads, x.seq_len, x.head_dim))
     dweights = dweights.transpose(0, 2, 1, 3).reshape(x.batch, x.seq_pad, x.num_heads)
-    dweights = _runtime.crop_to(dweights, (x.batch, x.seq_len, x.num_heads))
-    results = _runtime.kernel_call(
+    dweights = _operands.crop_to(dweights, (x.batch, x.seq_len, x.num_heads))
+    results = _operands.kernel_call(
         functools.partial(_dk_kernel, cfg=cfg, softmax_scale=softmax_scale, head_dim=x.head_dim),
         x,
         cfg,
@@ -356,12 +360,12 @@ def backward(cfg, softmax_scale, interpret, out_dtype, residuals, g):
         writes=lambda b, j, i, c, *_: (b, c, i, j),  # its own tiles
         scalar_prefetch=(x.ranges.q_lo, x.ranges.q_hi, x.ranges.any_lo, x.ranges.any_hi),
         inputs={"q": x.q, "k": x.k, "weights": x.weights, "kv_bounds": x.kv_bounds, "g": g},
-        outputs={"dk": jax.ShapeDtypeStruct(x.k.shape, _runtime.grad_dtype(k, cfg.dtype("qk_grad")))},
+        outputs={"dk": jax.ShapeDtypeStruct(x.k.shape, _operands.grad_dtype(k, cfg.dtype("qk_grad")))},
         scratch=[pltpu.VMEM((x.block_w, x.head_dim), jnp.float32)],
         block_specs=_block_specs,
         follows=FOLLOWS,
         interpret=interpret,
     )
 
-    dk = _runtime.crop_to(results[0], (x.batch, x.num_blocks, x.head_dim))
+    dk = _operands.crop_to(results[0], (x.batch, x.num_blocks, x.head_dim))
     return dq, dk, dweights, None, None, None

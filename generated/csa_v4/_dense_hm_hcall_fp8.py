@@ -4,7 +4,7 @@
 (``forward``) and its fused backward (``backward``: dq with dweights, and dk), which recompute the
 logits tile by tile in VMEM and never hold a [B, H, S, W] (nor [B, S, W]) tensor.
 
-Shared by tpu_hm_fp8_q256_w2048c512_hcall. Each passes its ``_runtime.Config`` as ``cfg``: tiling, dtypes, MXU precision, VMEM limits.
+Shared by tpu_hm_fp8_q256_w2048c512_hcall. Each passes its ``_operands.Config`` as ``cfg``: tiling, dtypes, MXU precision, VMEM limits.
 Grid axes: b batch, i q block, j w tile. A grid step's tiles are one DMA each; inside
 it every kernel steps through block_w // compute_w compute blocks: one that no query of the q block
 may see (by two int32 of the q block) does no work; one with work contracts its heads stacked into
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import _runtime
+from . import _fp8, _kernel_ops, _operands
 
 # From the kernel plan: the grid axes each operand's block index follows (b batch, c head chunk,
 # i q block, j w tile), for the DMA count of each pallas_call's cost estimate.
@@ -68,7 +68,7 @@ def _forward_reads(num_q_blocks, num_chunks, b, i, j, w_lo_ref, w_hi_ref, *_):
     del num_chunks  # no head chunk to hold
     row = b * num_q_blocks + i
     lo, hi = w_lo_ref[row], w_hi_ref[row]
-    j = _runtime.clamp(j, lo, hi)
+    j = _operands.clamp(j, lo, hi)
     return b, 0, i, j
 
 
@@ -77,7 +77,7 @@ def _dq_dweights_reads(num_q_blocks, num_chunks, b, i, j, w_lo_ref, w_hi_ref, *_
     del num_chunks  # no head chunk to hold
     row = b * num_q_blocks + i
     lo, hi = w_lo_ref[row], w_hi_ref[row]
-    j = _runtime.clamp(j, lo, hi)
+    j = _operands.clamp(j, lo, hi)
     return b, 0, i, j
 
 
@@ -86,7 +86,7 @@ def _dk_reads(num_w_blocks, num_chunks, b, j, i, q_lo_ref, q_hi_ref, *_):
     del num_chunks  # no head chunk to hold
     row = b * num_w_blocks + j
     lo, hi = q_lo_ref[row], q_hi_ref[row]
-    i = _runtime.clamp(i, lo, hi)
+    i = _operands.clamp(i, lo, hi)
     return b, 0, i, j
 
 
@@ -95,7 +95,7 @@ def _stacked_q(q_ref, heads, head_dim):
     heads.start + h at rows h * block_q onwards), upcast for the MXU (float8 -> bfloat16 is exact): one matmul of it against a key
     block pushes the keys into the MXU once for all of them, where a matmul per head would push them
     once per head."""
-    q = _runtime.upcast(q_ref[heads], jnp.bfloat16)  # [n, block_q, D]
+    q = _fp8.upcast(q_ref[heads], jnp.bfloat16)  # [n, block_q, D]
     return q.reshape(q.shape[0] * q.shape[1], head_dim)
 
 
@@ -106,14 +106,14 @@ def _head(ref, h, head_dim):
 
 def _put_heads(ref, heads, x, head_dim, *, add=False):
     """Stores ``x``, stacked as ``_stacked_q`` stacks heads, into ``heads`` of ``ref``, or adds it to what
-    they hold as ``add`` says (``_runtime.added``: True, or a traced bool)."""
+    they hold as ``add`` says (``_kernel_ops.added``: True, or a traced bool)."""
     x = x.reshape(heads.stop - heads.start, -1, head_dim)
-    ref[heads] = _runtime.added(lambda: ref[heads], x, add)
+    ref[heads] = _kernel_ops.added(lambda: ref[heads], x, add)
 
 
 def _k_block(k_ref, cols):
     """The keys of one compute block, ``[compute_w, D]``, upcast for the MXU (float8 -> bfloat16 is exact)."""
-    return _runtime.upcast(k_ref[cols, :], jnp.bfloat16)
+    return _fp8.upcast(k_ref[cols, :], jnp.bfloat16)
 
 
 def _head_weights(weights_ref, heads):
@@ -127,7 +127,11 @@ def _logits(cfg, q, k, heads):
     """The logits of ``heads`` heads, ``[heads, block_q, compute_w]`` float32: their stacked q
     ``[heads * block_q, D]`` against one key block ``[compute_w, D]``, one matmul."""
     logits = jax.lax.dot_general(
-        q, k, _runtime.CONTRACT_LAST, precision=cfg.precision, preferred_element_type=_runtime.ACCUM_DTYPE
+        q,
+        k,
+        _kernel_ops.CONTRACT_LAST,
+        precision=cfg.precision,
+        preferred_element_type=_kernel_ops.ACCUM_DTYPE,
     )
     return logits.reshape(heads, q.shape[0] // heads, k.shape[0])
 
@@ -152,7 +156,7 @@ def _forward_kernel(
     b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     del w_lo_ref, w_hi_ref  # used by the index maps only
     row = b * pl.num_programs(1) + i
-    for block in _runtime.compute_blocks((any_lo_ref, any_hi_ref), row, j, k_ref.shape[0], cfg.compute_w):
+    for block in _kernel_ops.compute_blocks((any_lo_ref, any_hi_ref), row, j, k_ref.shape[0], cfg.compute_w):
 
         @pl.when(block.work)
         def _store():
@@ -164,21 +168,21 @@ def _forward_kernel(
             acc = _contract_heads(logits, weights)
             # relu(q.k * s) = relu(q.k) * s for a key scale s > 0
             scores = softmax_scale * acc * k_scale_ref[:, block.cols]
-            out_ref[:, block.cols] = _runtime.mask(
-                block, scores, kv_bounds_ref, _runtime.MASKED_VALUE
+            out_ref[:, block.cols] = _kernel_ops.mask(
+                block, scores, kv_bounds_ref, _kernel_ops.MASKED_VALUE
             ).astype(out_ref.dtype)
 
         @pl.when(jnp.logical_not(block.work))
         def _store_masked():
             out_ref[:, block.cols] = jnp.full(
-                (out_ref.shape[0], block.width), _runtime.MASKED_VALUE, out_ref.dtype
+                (out_ref.shape[0], block.width), _kernel_ops.MASKED_VALUE, out_ref.dtype
             )
 
 
 def forward(cfg, q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret, out_dtype):
     """The score of the variant ``cfg`` in ``out_dtype`` through one pallas_call; never holds more than a [block_q, block_w] tile of logits."""
-    x = _runtime.prepare(cfg, q, k, weights, kv_start, kv_end, k_scale)
-    results = _runtime.kernel_call(
+    x = _operands.prepare(cfg, q, k, weights, kv_start, kv_end, k_scale)
+    results = _operands.kernel_call(
         functools.partial(_forward_kernel, cfg=cfg, softmax_scale=softmax_scale, head_dim=x.head_dim),
         x,
         cfg,
@@ -197,7 +201,7 @@ def forward(cfg, q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interp
         interpret=interpret,
     )
 
-    return _runtime.crop_to(results[0], (x.batch, x.seq_len, x.num_blocks))
+    return _operands.crop_to(results[0], (x.batch, x.seq_len, x.num_blocks))
 
 
 def _dq_dweights_kernel(
@@ -219,32 +223,32 @@ def _dq_dweights_kernel(
     last = j == pl.num_programs(2) - 1
 
     row = b * pl.num_programs(1) + i
-    for block in _runtime.compute_blocks((any_lo_ref, any_hi_ref), row, j, k_ref.shape[0], cfg.compute_w):
+    for block in _kernel_ops.compute_blocks((any_lo_ref, any_hi_ref), row, j, k_ref.shape[0], cfg.compute_w):
 
         @pl.when(block.work)
         def _accumulate():
             k = _k_block(k_ref, block.cols)
-            g = _runtime.cotangent_parts(
+            g = _kernel_ops.cotangent_parts(
                 cfg, _cotangent(block, g_ref, kv_bounds_ref) * k_scale_ref[:, block.cols], k.dtype
             )
-            for heads in _runtime.head_groups(weights_ref.shape[1]):
+            for heads in _kernel_ops.head_groups(weights_ref.shape[1]):
                 logits = _logits(cfg, _stacked_q(q_ref, heads, head_dim), k, heads.stop - heads.start)
-                u = _runtime.masked_cotangent_by_k(cfg, logits, g, k)  # [n * block_q, D]
+                u = _kernel_ops.masked_cotangent_by_k(cfg, logits, g, k)  # [n * block_q, D]
                 _put_heads(dq_acc_ref, heads, u, head_dim, add=jnp.logical_not(block.opens))
 
     @pl.when(last)
     def _store():  # dq_acc holds u: dq and dweights from it and q, head by head
         # the weights carry the softmax scale into dq; dweights = sum_d q u does not involve them
         weights = weights_ref[...]
-        seen = _runtime.row_has_work((any_lo_ref, any_hi_ref), row)
+        seen = _kernel_ops.row_has_work((any_lo_ref, any_hi_ref), row)
         lanes = jax.lax.broadcasted_iota(jnp.int32, weights.shape, 1)
         dweights = jnp.zeros(weights.shape, jnp.float32)  # [block_q, heads], as dweights_ref
         for h in range(weights.shape[1]):
             # a row no query of which sees any block was never written: its dq and dweights are 0
             u = jnp.where(seen, _head(dq_acc_ref, h, head_dim), 0.0)
             q = _head(q_ref, h, head_dim)
-            w = softmax_scale * _runtime.lane_broadcast(weights, h, head_dim)
-            dq, dweights_h = _runtime.dq_dweights_from_u(u, q, w[None])
+            w = softmax_scale * _kernel_ops.lane_broadcast(weights, h, head_dim)
+            dq, dweights_h = _kernel_ops.dq_dweights_from_u(u, q, w[None])
             _put_heads(dq_acc_ref, slice(h, h + 1), dq, head_dim)
             # head h's column into lane h by a select: as a row, the XLU (busy with the lane sums)
             # would move it across lanes
@@ -256,7 +260,7 @@ def _dq_dweights_kernel(
 def _cotangent(block, g_ref, kv_bounds_ref):
     """The cotangent of one compute block, ``[block_q, compute_w]`` float32, zero where the query may not
     see the block: masked entries get no gradient, whatever the cotangent holds there."""
-    return _runtime.mask(block, g_ref[:, block.cols].astype(jnp.float32), kv_bounds_ref, 0.0)
+    return _kernel_ops.mask(block, g_ref[:, block.cols].astype(jnp.float32), kv_bounds_ref, 0.0)
 
 
 def _dk_kernel(
@@ -283,17 +287,17 @@ def _dk_kernel(
         dk_acc_ref[...] = jnp.zeros_like(dk_acc_ref)
 
     row = b * pl.num_programs(2) + i
-    for block in _runtime.compute_blocks((any_lo_ref, any_hi_ref), row, j, k_ref.shape[0], cfg.compute_w):
+    for block in _kernel_ops.compute_blocks((any_lo_ref, any_hi_ref), row, j, k_ref.shape[0], cfg.compute_w):
 
         @pl.when(block.work)
         def _accumulate():
             k = _k_block(k_ref, block.cols)
             g = _cotangent(block, g_ref, kv_bounds_ref)
-            for heads in _runtime.head_groups(weights_ref.shape[1]):
+            for heads in _kernel_ops.head_groups(weights_ref.shape[1]):
                 q = _stacked_q(q_ref, heads, head_dim)
                 weights = _head_weights(weights_ref, heads)  # [n, block_q, 1]
                 logits = _logits(cfg, q, k, weights.shape[0])
-                dk_acc_ref[block.cols, :] += _runtime.dk(cfg, logits, g, weights, q)
+                dk_acc_ref[block.cols, :] += _kernel_ops.dk(cfg, logits, g, weights, q)
 
     @pl.when(last)
     def _store():
@@ -301,10 +305,10 @@ def _dk_kernel(
         # the score is s_w * sum_h weights_h relu(q_h . k_w) and relu(x) = relu'(x) x: dk_w = s_w u_w and
         # d score / d s_w = k_w . u_w, once per w tile (no per-head work for the scale).
         u = dk_acc_ref[...]
-        dk_ref[...] = (softmax_scale * _runtime.rows_across(k_scale_ref[...], head_dim) * u).astype(
+        dk_ref[...] = (softmax_scale * _kernel_ops.rows_across(k_scale_ref[...], head_dim) * u).astype(
             dk_ref.dtype
         )
-        dk_scale_ref[...] = softmax_scale * _runtime.row_sums(_runtime.upcast(k_ref[...], jnp.float32) * u)
+        dk_scale_ref[...] = softmax_scale * _kernel_ops.row_sums(_fp8.upcast(k_ref[...], jnp.float32) * u)
 
 
 def backward(cfg, softmax_scale, interpret, out_dtype, residuals, g):
@@ -315,10 +319,10 @@ def backward(cfg, softmax_scale, interpret, out_dtype, residuals, g):
     """
     del out_dtype  # g arrives in it; the kernels read it as float32
     q, k, weights, kv_start, kv_end, k_scale = residuals
-    x = _runtime.prepare(cfg, q, k, weights, kv_start, kv_end, k_scale)
+    x = _operands.prepare(cfg, q, k, weights, kv_start, kv_end, k_scale)
     # Padding is masked: its cotangent is never read.
-    g = _runtime.pad_to(_runtime.pad_to(g, 1, x.seq_pad), 2, x.blocks_pad)
-    results = _runtime.kernel_call(
+    g = _operands.pad_to(_operands.pad_to(g, 1, x.seq_pad), 2, x.blocks_pad)
+    results = _operands.kernel_call(
         functools.partial(_dq_dweights_kernel, cfg=cfg, softmax_scale=softmax_scale, head_dim=x.head_dim),
         x,
         cfg,
@@ -338,9 +342,9 @@ def backward(cfg, softmax_scale, interpret, out_dtype, residuals, g):
             "g": g,
         },
         outputs={
-            "dq": jax.ShapeDtypeStruct(x.q.shape, _runtime.grad_dtype(q, cfg.dtype("qk_grad"))),
+            "dq": jax.ShapeDtypeStruct(x.q.shape, _operands.grad_dtype(q, cfg.dtype("qk_grad"))),
             "dweights": jax.ShapeDtypeStruct(
-                x.weights.shape, _runtime.grad_dtype(weights, cfg.dtype("weights"))
+                x.weights.shape, _operands.grad_dtype(weights, cfg.dtype("weights"))
             ),
         },
         scratch=[pltpu.VMEM((x.heads, x.block_q, x.head_dim), jnp.float32)],
@@ -350,9 +354,9 @@ def backward(cfg, softmax_scale, interpret, out_dtype, residuals, g):
     )
 
     dq, dweights = results
-    dq = _runtime.crop_to(dq, (x.batch, x.num_heads, x.seq_len, x.head_dim))
-    dweights = _runtime.crop_to(dweights, (x.batch, x.seq_len, x.num_heads))
-    results = _runtime.kernel_call(
+    dq = _operands.crop_to(dq, (x.batch, x.num_heads, x.seq_len, x.head_dim))
+    dweights = _operands.crop_to(dweights, (x.batch, x.seq_len, x.num_heads))
+    results = _operands.kernel_call(
         functools.partial(_dk_kernel, cfg=cfg, softmax_scale=softmax_scale, head_dim=x.head_dim),
         x,
         cfg,
@@ -372,7 +376,7 @@ def backward(cfg, softmax_scale, interpret, out_dtype, residuals, g):
             "g": g,
         },
         outputs={
-            "dk": jax.ShapeDtypeStruct(x.k.shape, _runtime.grad_dtype(k, cfg.dtype("qk_grad"))),
+            "dk": jax.ShapeDtypeStruct(x.k.shape, _operands.grad_dtype(k, cfg.dtype("qk_grad"))),
             "dk_scale": jax.ShapeDtypeStruct(x.k_scale.shape, jnp.float32),
         },
         scratch=[pltpu.VMEM((x.block_w, x.head_dim), jnp.float32)],
@@ -381,5 +385,5 @@ def backward(cfg, softmax_scale, interpret, out_dtype, residuals, g):
         interpret=interpret,
     )
 
-    dk = _runtime.crop_to(results[0], (x.batch, x.num_blocks, x.head_dim))
-    return dq, dk, dweights, None, None, _runtime.crop_to(results[1][:, 0, :], k_scale.shape)
+    dk = _operands.crop_to(results[0], (x.batch, x.num_blocks, x.head_dim))
+    return dq, dk, dweights, None, None, _operands.crop_to(results[1][:, 0, :], k_scale.shape)

@@ -4,7 +4,7 @@
 query, only the top_k blocks of ``indices``; nothing of a variant's tiling or head chunk.
 
 Shared by tpu_sm_bf16_q256_w2048c512_hc16_refbwd.
-Grid (batch, q block of _runtime.SPARSE_BLOCK_Q queries). k of one batch element is resident in VMEM
+Grid (batch, q block of _gather.SPARSE_BLOCK_Q queries). k of one batch element is resident in VMEM
 as float32 rows (upcast exactly), single-buffered; per query the kernel gathers its top_k
 rows, a single-row read and store each, into scratch and contracts all heads at once,
 [top_k, D] x [H, D]^T: MXU work B * S_pad * top_k_pad * H * D per pass, never W. The backward adds
@@ -12,8 +12,8 @@ each slot's dk row into a resident float32 dk. Indices come in per q block throu
 query's slots are a lane-dense row of the score and cotangent, reached by [1, H] x [H, top_k] head
 sums at HIGHEST.
 Where k's rows and their float32 dk do not fit the smallest target's VMEM
-(_runtime.SPARSE_VMEM_CAPACITY_BYTES: ~47000 keys at H = 64, D = 128, top_k = 1024), each kernel is
-called once per window of k that does (``_runtime.over_key_windows``): each query's slots sorted by
+(_gather.SPARSE_VMEM_CAPACITY_BYTES: ~47000 keys at H = 64, D = 128, top_k = 1024), each kernel is
+called once per window of k that does (``_gather.over_key_windows``): each query's slots sorted by
 block, a window's call gathers and scatters only the span of them in its window (``spans_ref``). W
 is bounded by HBM.
 """
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import _runtime
+from . import _autodiff, _gather, _kernel_ops, _operands
 
 MATMUL_PRECISION = jax.lax.Precision.DEFAULT  # bfloat16 inputs: exact on the MXU
 # From the sparse kernel plan (codegen/plan.py, ``sparse``):
@@ -54,9 +54,9 @@ def _sparse_logits(q_s, gathered, precision):
     return jax.lax.dot_general(
         q_s,
         gathered,
-        _runtime.CONTRACT_LAST,
+        _kernel_ops.CONTRACT_LAST,
         precision=precision,
-        preferred_element_type=_runtime.ACCUM_DTYPE,
+        preferred_element_type=_kernel_ops.ACCUM_DTYPE,
     )
 
 
@@ -86,8 +86,8 @@ def _sparse_forward_kernel(
     with ``spans_ref`` (a window of k), the slots in each query's span of the window only."""
     _gathered_rows_from_zero(gathered_ref, spans_ref)
     weights = _weights_columns(weights_ref)
-    for s in range(_runtime.SPARSE_BLOCK_Q):
-        _runtime.gather_rows(rows_ref, k_ref, gathered_ref, s, spans_ref)
+    for s in range(_gather.SPARSE_BLOCK_Q):
+        _gather.gather_rows(rows_ref, k_ref, gathered_ref, s, spans_ref)
         gathered = gathered_ref[...].astype(SPARSE_GATHER_DTYPE)
         logits = _sparse_logits(_sparse_query(q_ref, s, SPARSE_GATHER_DTYPE), gathered, MATMUL_PRECISION)
         out_ref[s : s + 1, :] = softmax_scale * _head_sum(weights[:, s : s + 1], jnp.maximum(logits, 0.0))
@@ -101,7 +101,7 @@ def _sparse_backward_kernel(
 ):  # fmt: skip
     """dq and dweights of SPARSE_BLOCK_Q queries; their dk rows added into resident float32 dk
     accumulators: the output itself (its index follows b only, the q-block axis is "arbitrary") and
-    ``more_dk_refs``, which take their turn of the slots (``_runtime.scatter_add_rows``) and are added
+    ``more_dk_refs``, which take their turn of the slots (``_gather.scatter_add_rows``) and are added
     into it at the last q block."""
 
     @pl.when(pl.program_id(1) == 0)
@@ -112,8 +112,8 @@ def _sparse_backward_kernel(
     _gathered_rows_from_zero(gathered_ref, spans_ref)
     weights = _weights_columns(weights_ref)
     dweights = []  # [H, 1] a query
-    for s in range(_runtime.SPARSE_BLOCK_Q):
-        _runtime.gather_rows(rows_ref, k_ref, gathered_ref, s, spans_ref)
+    for s in range(_gather.SPARSE_BLOCK_Q):
+        _gather.gather_rows(rows_ref, k_ref, gathered_ref, s, spans_ref)
         gathered = gathered_ref[...].astype(SPARSE_BACKWARD_GATHER_DTYPE)
         q_s = _sparse_query(q_ref, s, gathered.dtype)
         logits = _sparse_logits(q_s, gathered, SPARSE_BACKWARD_PRECISION)  # [H, top_k]
@@ -122,13 +122,13 @@ def _sparse_backward_kernel(
         dweights.append(jnp.sum(activated * g, axis=1, keepdims=True))
         g_weights = weights[:, s : s + 1] * g  # [H, top_k]: g_j * weights_h
         dlogits = jnp.where(logits > 0.0, g_weights, 0.0)  # relu' = 1[logit > 0]
-        dq = _runtime.sparse_matmul(dlogits, gathered, _runtime.CONTRACT_INNER, SPARSE_BACKWARD_PRECISION)
+        dq = _gather.sparse_matmul(dlogits, gathered, _kernel_ops.CONTRACT_INNER, SPARSE_BACKWARD_PRECISION)
         # [H, D] in dq's own dtype: no float32 copy of q in HBM.
         dq_ref[s] = (softmax_scale * dq).astype(dq_ref.dtype)
-        dk_gathered_ref[...] = _runtime.sparse_matmul(
-            dlogits, q_s, _runtime.CONTRACT_FIRST, SPARSE_BACKWARD_PRECISION
+        dk_gathered_ref[...] = _gather.sparse_matmul(
+            dlogits, q_s, _kernel_ops.CONTRACT_FIRST, SPARSE_BACKWARD_PRECISION
         )
-        _runtime.scatter_add_rows(rows_ref, (dk_ref, *more_dk_refs), dk_gathered_ref, s, spans_ref)
+        _gather.scatter_add_rows(rows_ref, (dk_ref, *more_dk_refs), dk_gathered_ref, s, spans_ref)
     dweights_ref[...] = softmax_scale * jnp.concatenate(dweights, axis=1).T  # [SPARSE_BLOCK_Q, H]
 
     @pl.when(pl.program_id(1) == pl.num_programs(1) - 1)
@@ -140,51 +140,51 @@ def _sparse_backward_kernel(
 def forward(variant, q, k, weights, indices, k_scale, softmax_scale, interpret):
     """The sparse score of ``variant`` in its output dtype: one pallas_call a window of k (one, where W
     fits VMEM), then the empty slots masked."""
-    x = _runtime.sparse_prepare(variant, q, k, weights, indices, k_scale, SPARSE_GATHER_DTYPE)
+    x = _gather.sparse_prepare(variant, q, k, weights, indices, k_scale, SPARSE_GATHER_DTYPE)
 
     def window(done, k_window, rows, in_window, spans, start):
         kernel = functools.partial(_sparse_forward_kernel, softmax_scale=softmax_scale)
-        (out,) = _runtime.sparse_call(
-            _runtime.spans_kernel(kernel, spans),
+        (out,) = _gather.sparse_call(
+            _gather.spans_kernel(kernel, spans),
             x,
             inputs={
-                "rows": ("rows", _runtime.flat_rows(rows)), **_runtime.spans_input(spans), "q": ("q", x.q),
+                "rows": ("rows", _gather.flat_rows(rows)), **_gather.spans_input(spans), "q": ("q", x.q),
                 "k": ("k", k_window), "weights": ("weights", x.weights),
             },
-            outputs={"out": ("slots", (_runtime.slots_shape(x), jnp.float32))},
+            outputs={"out": ("slots", (_gather.slots_shape(x), jnp.float32))},
             scratch=[pltpu.VMEM((x.top_k_pad, x.head_dim), jnp.float32)],
             semantics=("parallel", "parallel"),
-            work=_runtime.sparse_flops(x, SPARSE_WORK["forward"]),
+            work=_gather.sparse_flops(x, SPARSE_WORK["forward"]),
             name=f"{variant['name']}_sparse_forward",
             interpret=interpret,
         )  # fmt: skip
         return out if done is None else jnp.where(in_window, out, done)  # each slot from its own window
 
-    out = x.in_slot_order(_runtime.over_key_windows(x, window))
-    out = _runtime.crop_to(out, (x.batch, x.seq_len, x.top_k))
-    return jnp.where(x.valid, out, _runtime.MASKED_VALUE).astype(variant["out_dtype"])
+    out = x.in_slot_order(_gather.over_key_windows(x, window))
+    out = _operands.crop_to(out, (x.batch, x.seq_len, x.top_k))
+    return jnp.where(x.valid, out, _kernel_ops.MASKED_VALUE).astype(variant["out_dtype"])
 
 
 def backward(variant, softmax_scale, interpret, q, k, weights, indices, k_scale, g):
     """dq, dk, dweights from one pallas_call a window of k; dk never exists per slot in HBM."""
-    x = _runtime.sparse_prepare(
-        variant, q, k, weights, indices, k_scale, SPARSE_BACKWARD_GATHER_DTYPE, _runtime.SPARSE_DK_COPIES
+    x = _gather.sparse_prepare(
+        variant, q, k, weights, indices, k_scale, SPARSE_BACKWARD_GATHER_DTYPE, _gather.SPARSE_DK_COPIES
     )
     g = jnp.where(x.valid, g.astype(jnp.float32), 0.0)  # empty slots get no gradient, whatever g holds there
-    g_slots = _runtime.slot_rows(g, x.seq_pad, x.top_k_pad)
+    g_slots = _gather.slot_rows(g, x.seq_pad, x.top_k_pad)
     g_slots = x.in_call_order(g_slots)  # the kernels' order of the slots
-    dq_dtype = _runtime.grad_dtype(q, jnp.dtype(variant["qk_grad_dtype"]))  # float32 where q arrived upcast
-    dk_dtype = _runtime.grad_dtype(k, jnp.dtype(variant["qk_grad_dtype"]))
+    dq_dtype = _operands.grad_dtype(q, jnp.dtype(variant["qk_grad_dtype"]))  # float32 where q arrived upcast
+    dk_dtype = _operands.grad_dtype(k, jnp.dtype(variant["qk_grad_dtype"]))
     # One window writes dq in its own dtype; several add theirs in float32, then round once.
     window_dq_dtype = dq_dtype if x.num_windows == 1 else jnp.float32
 
     def window(done, k_window, rows, in_window, spans, start):
         kernel = functools.partial(_sparse_backward_kernel, softmax_scale=softmax_scale)
-        results = _runtime.sparse_call(
-            _runtime.spans_kernel(kernel, spans),
+        results = _gather.sparse_call(
+            _gather.spans_kernel(kernel, spans),
             x,
             inputs={
-                "rows": ("rows", _runtime.flat_rows(rows)), **_runtime.spans_input(spans), "q": ("q", x.q),
+                "rows": ("rows", _gather.flat_rows(rows)), **_gather.spans_input(spans), "q": ("q", x.q),
                 "k": ("k", k_window), "weights": ("weights", x.weights),
                 "g": ("slots", g_slots if in_window is None else jnp.where(in_window, g_slots, 0.0)),
             },
@@ -199,29 +199,29 @@ def backward(variant, softmax_scale, interpret, q, k, weights, indices, k_scale,
                 *[pltpu.VMEM((x.window_rows, x.head_dim), jnp.float32)] * (x.dk_copies - 1),  # more dk
             ],
             semantics=("parallel", "arbitrary"),
-            work=_runtime.sparse_flops(x, SPARSE_WORK["backward"]),
+            work=_gather.sparse_flops(x, SPARSE_WORK["backward"]),
             name=f"{variant['name']}_sparse_backward",
             interpret=interpret,
         )  # fmt: skip
         if done is None:  # the first window: its dk in place in the float32 dk of every window
-            return (results[0], results[1], _runtime.pad_to(results[2], 1, x.k.shape[1]), *results[3:])
+            return (results[0], results[1], _operands.pad_to(results[2], 1, x.k.shape[1]), *results[3:])
         dq, dweights, dk = done[0] + results[0], done[1] + results[1], done[2]
         dk = jax.lax.dynamic_update_slice_in_dim(dk, results[2], start, axis=1)
         return dq, dweights, dk
 
-    results = _runtime.over_key_windows(x, window)
+    results = _gather.over_key_windows(x, window)
     dq, dweights, dk = results[:3]
-    dq = _runtime.crop_to(dq, (x.batch, x.seq_len, x.num_heads, x.head_dim)).astype(dq_dtype)
+    dq = _operands.crop_to(dq, (x.batch, x.seq_len, x.num_heads, x.head_dim)).astype(dq_dtype)
     if variant["q_layout"] == "head_major":
         dq = jnp.swapaxes(dq, 1, 2)
-    dweights = _runtime.crop_to(dweights, (x.batch, x.seq_len, x.num_heads)).astype(weights.dtype)
-    dk = softmax_scale * _runtime.crop_to(dk, (x.batch, x.num_blocks, x.head_dim))
+    dweights = _operands.crop_to(dweights, (x.batch, x.seq_len, x.num_heads)).astype(weights.dtype)
+    dk = softmax_scale * _operands.crop_to(dk, (x.batch, x.num_blocks, x.head_dim))
     return dq, dk.astype(dk_dtype), dweights, None
 
 
 def differentiable(variant):
     """``variant``'s sparse score over these kernels: a ``jax.custom_vjp`` whose residuals are the inputs."""
-    return _runtime.differentiable_sparse_score(
+    return _autodiff.differentiable_sparse_score(
         variant,
         functools.partial(forward, variant),
         functools.partial(backward, variant),

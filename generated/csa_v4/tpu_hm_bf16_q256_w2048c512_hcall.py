@@ -13,7 +13,7 @@ Forward: the Pallas kernel of ``_dense_hm_hcall``.
 Backward: two fused Pallas kernels (``_dense.backward``: dq with dweights, and dk), logits recomputed in VMEM.
 ``score_topk`` selects each query's top_k blocks without the [B, S, W] scores (``_topk``),
 ``sparse_score`` scores each query's top_k selected blocks (``_sparse_bf16``) and ``indexer_loss``
-is the KL indexer loss, dense or sparse. What every variant shares is in ``_runtime``.
+is the KL indexer loss, dense or sparse. What every variant shares is in the shipped modules.
 """
 
 import functools
@@ -22,8 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _dense_hm_hcall as _dense
-from . import _runtime
-from . import _topk
+from . import _autodiff, _helpers, _mesh, _operands, _topk
 from . import _sparse_bf16 as _sparse
 
 VARIANT = {
@@ -49,7 +48,7 @@ BLOCK_Q = 256
 BLOCK_W = 2048
 COMPUTE_W = 512  # compressed blocks per compute step: the granule of skipping and masking
 HEAD_CHUNK = None  # heads contracted per grid step; None: all of them
-CONFIG = _runtime.Config(  # the kernel plan's facts the shared kernels take from this variant
+CONFIG = _operands.Config(  # the kernel plan's facts the shared kernels take from this variant
     VARIANT,
     sublanes=16,  # padding granule of a shrunk q block: the narrowest q-row dtype's row tiling
     # bfloat16 inputs are exact on the MXU; products accumulate in float32.
@@ -75,12 +74,12 @@ CONFIG = _runtime.Config(  # the kernel plan's facts the shared kernels take fro
 
 def tiles(seq_len, num_blocks):
     """This call's (block_q, block_w): BLOCK_Q x BLOCK_W, shrunk when the problem is smaller than a tile."""
-    return _runtime.tiles(seq_len, num_blocks, BLOCK_Q, BLOCK_W, COMPUTE_W, CONFIG.sublanes)
+    return _operands.tiles(seq_len, num_blocks, BLOCK_Q, BLOCK_W, COMPUTE_W, CONFIG.sublanes)
 
 
-prepare = functools.partial(_runtime.prepare, CONFIG)  # a checked call's operands, padded, with tile ranges
+prepare = functools.partial(_operands.prepare, CONFIG)  # a checked call's operands, padded, with tile ranges
 # The differentiable scores over the shared kernels, bound to this variant.
-_score_as = _runtime.differentiable_score(
+_score_as = _autodiff.differentiable_score(
     VARIANT,
     functools.partial(_dense.forward, CONFIG),
     functools.partial(_dense.backward, CONFIG),
@@ -103,7 +102,7 @@ def score(q, k, weights, *, kv_start=None, kv_end=None, k_scale=None, softmax_sc
 
     Any S >= 1 and W >= 1 work; ragged sizes are padded to the tiling and sliced back.
     Gradients: dq and dk come back as bfloat16, dweights as bfloat16.
-    Works inside any ``jax.shard_map`` on per-device shards (see ``_runtime.differentiable_score``);
+    Works inside any ``jax.shard_map`` on per-device shards (see ``_autodiff.differentiable_score``);
     ``sharded_score`` does the sharding for you.
     """
     return _score_as(
@@ -113,7 +112,7 @@ def score(q, k, weights, *, kv_start=None, kv_end=None, k_scale=None, softmax_sc
 
 
 def sharded_score(
-    q, k, weights, *, mesh, batch_axes=_runtime.DEFAULT_BATCH_AXES, context_axis=None, head_axis=None, kv_start=None,
+    q, k, weights, *, mesh, batch_axes=_mesh.DEFAULT_BATCH_AXES, context_axis=None, head_axis=None, kv_start=None,
     kv_end=None, k_scale=None, softmax_scale=None, interpret=False,
 ):  # fmt: skip
     """``score`` on a mesh: a differentiable ``jax.shard_map`` over ``mesh`` returning the same ``[B, S, W]``.
@@ -128,9 +127,9 @@ def sharded_score(
         float32 partial scores are summed over it, then cast to bfloat16; masked entries stay -inf.
         An entry can then differ from the single-device score by one bfloat16 ulp (summation order).
       Everything else is ``score``'s. Costs, load balance and the checks (a ValueError naming a bad
-      axis or size, before anything is traced): ``_runtime.sharded_score``.
+      axis or size, before anything is traced): ``_mesh.sharded_score``.
     """
-    return _runtime.sharded_score(
+    return _mesh.sharded_score(
         VARIANT, _score_as, q, k, weights, mesh=mesh, batch_axes=batch_axes, context_axis=context_axis,
         head_axis=head_axis, kv_start=kv_start, kv_end=kv_end, k_scale=k_scale, softmax_scale=softmax_scale,
         interpret=interpret,
@@ -169,13 +168,13 @@ def indexer_loss(
     interpret=False,
 ):  # fmt: skip
     """DeepSeek's indexer loss, float32: the mean over queries with a non-empty set of
-    ``KL(target || softmax(score))`` over the set (see ``_runtime.indexer_loss``).
+    ``KL(target || softmax(score))`` over the set (see ``_helpers.indexer_loss``).
 
     Dense (``indices=None``): ``target`` is [B, S, W] and the set is the visible blocks of ``score``.
     Sparse: ``target`` is [B, S, top_k], aligned with ``indices``; the set is the slots whose index lies
     in [0, W) (and in [kv_start, kv_end) where given), scored by ``sparse_score``.
     """
-    return _runtime.indexer_loss(
+    return _helpers.indexer_loss(
         VARIANT, score, sparse_score, q, k, weights, target, indices=indices, kv_start=kv_start, kv_end=kv_end,
         k_scale=k_scale, softmax_scale=softmax_scale, interpret=interpret,
     )  # fmt: skip

@@ -1,0 +1,220 @@
+"""Pieces of the dense kernel bodies that no variant changes: the compute blocks a tile is worked in
+and how a masked one is filled, the matmul policies (plain, split into a head and a tail, rounded),
+and the backward's gradient arithmetic (cotangents, dq and dweights from u, dk). They run on VMEM
+values and SMEM scalars inside a kernel; the sparse kernels share the matmul pieces."""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from . import _family
+from . import _geometry
+from ._fp8 import upcast
+
+MASKED_VALUE = _family.MASKED_VALUE  # every entry a query may not see
+ACCUM_DTYPE = jnp.float32  # every dtype policy accumulates in float32
+GRAD_HEAD_GROUP = _geometry.GRAD_HEAD_GROUP  # heads per matmul of the backward kernels
+# q_h [rows, D] . k [cols, D]^T: contract the last dimension of both.
+CONTRACT_LAST = (((1,), (1,)), ((), ()))
+# lhs [m, n] . rhs [n, p]: an ordinary matmul.
+CONTRACT_INNER = (((1,), (0,)), ((), ()))
+# lhs [n, m] . rhs [n, p] -> [m, p]: contract the first dimension of both (dlogitsᵀ . k, no transpose).
+# Mosaic's TPU lowering accepts it (and the one-deep g wᵀ of the sparse backward) for [top_k, H] and
+# [top_k, D] operands: verified by lowering on a CPU only, as are the sparse kernels.
+CONTRACT_FIRST = (((0,), (0,)), ((), ()))
+
+
+class ComputeBlock(NamedTuple):
+    """``compute_w`` compressed blocks of a w tile, seen from the grid step's q block."""
+
+    cols: slice  # its columns in the tile (static)
+    lo: jax.Array  # its first compressed block
+    work: jax.Array  # bool: some query of the q block may see some of it (else: no matmul, no elementwise op)
+    opens: jax.Array  # bool, with work: the first such block of the q block's row (any_lo falls in it)
+
+    @property
+    def width(self):
+        """Its compressed blocks: the call's compute width (``_geometry.call_compute_w``)."""
+        return self.cols.stop - self.cols.start
+
+
+def compute_blocks(bounds_refs, row, j, block_w, compute_w):
+    """The compute blocks of w tile ``j``, each with work unless ``_geometry.block_empty`` by the bounds of
+    the q block at ``row`` of the flattened per-q-block arrays: (any_lo, any_hi) refs. Only an empty
+    block is branched on: a block with work is masked whether or not it needs it (a select per entry
+    costs fewer bundles than the branch that would skip it)."""
+    any_lo, any_hi = bounds_refs[0][row], bounds_refs[1][row]
+    compute_w = _geometry.call_compute_w(block_w, compute_w)
+    for n in range(block_w // compute_w):
+        lo = j * block_w + n * compute_w
+        empty = _geometry.block_empty(any_lo, any_hi, lo, lo + compute_w)
+        yield ComputeBlock(
+            slice(n * compute_w, (n + 1) * compute_w), lo, jnp.logical_not(empty), lo <= any_lo
+        )
+
+
+def row_has_work(bounds_refs, row):
+    """Whether some query of the q block at ``row`` may see some compressed block: (any_lo, any_hi) refs."""
+    return bounds_refs[0][row] < bounds_refs[1][row]
+
+
+def added(read, x, add):
+    """``x`` plus what ``read()`` gives, as ``add`` says: False (no read), True, or a traced bool (a select,
+    so that what is not added may be anything, never-written memory included)."""
+    if add is False:
+        return x
+    if add is True:
+        return read() + x
+    return x + jnp.where(add, read(), 0.0)
+
+
+def mask(block, x, kv_bounds_ref, fill):
+    """``x`` [block_q, compute_w] where query row r may see compressed block ``block.lo + col``, ``fill``
+    elsewhere."""
+    bounds = kv_bounds_ref[...]  # kv_start, kv_end of each query
+    blocks = block.lo + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+    return jnp.where((bounds[:, 0:1] <= blocks) & (blocks < bounds[:, 1:2]), x, fill)
+
+
+def head_groups(heads):
+    """Static slices of ``heads`` heads, GRAD_HEAD_GROUP at a time: the backward kernels stack a group
+    against the key block per matmul, so only a group's logits and dlogits are held at once."""
+    for start in range(0, heads, GRAD_HEAD_GROUP):
+        yield slice(start, min(start + GRAD_HEAD_GROUP, heads))
+
+
+def matmul(lhs, rhs, precision, dimension_numbers=CONTRACT_INNER):
+    """lhs . rhs in float32 (an ordinary lhs [m, n] . rhs [n, p] by default), both operands of one type."""
+    return jax.lax.dot_general(
+        lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=ACCUM_DTYPE
+    )
+
+
+def split_matmul(lhs, rhs, dimension_numbers=CONTRACT_INNER):
+    """float32 lhs of a narrower MXU type's rhs, contracted as ``dimension_numbers`` say (an ordinary
+    lhs [m, n] . rhs [n, p] by default), accurate to float32.
+
+    Rounding the float32 lhs to rhs's type would cost up to 2**-8 relative per element (bfloat16);
+    splitting it into a head and a tail of that type keeps ~16 bits for the price of a second MXU
+    pass (rhs is exact).
+    """
+    head, tail = split(lhs, rhs.dtype)
+    return matmul(head, rhs, None, dimension_numbers) + matmul(tail, rhs, None, dimension_numbers)
+
+
+def split(x, dtype):
+    """float32 ``x`` as a head and a tail of the narrower ``dtype`` whose sum keeps ~16 bits of it."""
+    head = x.astype(dtype)
+    return head, (x - head.astype(x.dtype)).astype(dtype)
+
+
+def grad_matmul(cfg, lhs, rhs, dimension_numbers=CONTRACT_INNER):
+    """float32 dlogits ``lhs`` against ``rhs`` (k, or the stacked q) in float32, as the variant's plan
+    says: "split" into a head and a tail of the MXU type (two passes, float32-accurate), "bf16": rounded
+    to it (one pass), or "plain": one pass at the variant's precision (float32 operands)."""
+    if cfg.grad_matmul == "split":
+        return split_matmul(lhs, rhs, dimension_numbers)
+    if cfg.grad_matmul == "bf16":
+        return matmul(lhs.astype(rhs.dtype), rhs, None, dimension_numbers)
+    return matmul(lhs, rhs, cfg.precision, dimension_numbers)
+
+
+def grad_matmul_rhs(cfg, lhs, rhs):
+    """``lhs`` [m, n], exact in the MXU type, times float32 ``rhs`` [n, p], in float32, as the variant's
+    plan says: rhs "split" into a head and a tail, side by side as one ``[n, 2 p]`` operand (two
+    passes of work in one matmul: at p = 128 the tail fills the half of a 256-wide MXU's columns the
+    head leaves idle), rounded ("bf16", one pass), or "plain"."""
+    if cfg.grad_matmul == "split":
+        width = rhs.shape[1]
+        both = matmul(lhs, jnp.concatenate(split(rhs, lhs.dtype), axis=1), None)
+        return both[:, :width] + both[:, width:]
+    if cfg.grad_matmul == "bf16":
+        return matmul(lhs, rhs.astype(lhs.dtype), None)
+    return matmul(lhs, rhs, cfg.precision)
+
+
+# The backward kernels' gradient arithmetic: a group of heads' logits [n, block_q, compute_w], the
+# cotangent g [block_q, compute_w] and weights [n, block_q, 1], in float32.
+
+
+def relu_grad(logits, g, dtype):
+    """g where the logit is positive, else 0, ``[n * block_q, compute_w]`` in ``dtype`` (the MXU type: exact
+    there when the cotangent is, ``Config.exact_cotangent``, or a part of it is, ``cotangent_parts``)."""
+    return jnp.where(logits > 0.0, g, 0.0).reshape(-1, logits.shape[2]).astype(dtype)
+
+
+def cotangent_parts(cfg, g, dtype):
+    """The float32 cotangent ``g`` [block_q, compute_w] as the MXU takes it in ``dtype``, parts that sum to
+    it: itself (exact there, or to be rounded), or a head and a tail each exact in ``dtype``
+    (``cfg.cotangent_parts`` == 2: ~16 bits of a float32 g), split once for all heads of the block."""
+    if cfg.cotangent_parts == 2:
+        return tuple(part.astype(jnp.float32) for part in split(g, dtype))
+    return (g,)
+
+
+def masked_cotangent_by_k(cfg, logits, g, k):
+    """u = (g where the logit is positive) . k of a group of heads, ``[n * block_q, D]`` float32 (rows
+    stacked as the group's q is): one MXU pass per part of g (``cotangent_parts``), each exact in k's
+    type or rounded to it. Only the select is done per (head, query, block) and part; the weights and q
+    act on u, summed over the blocks (``dq_dweights_from_u``)."""
+    u = [matmul(relu_grad(logits, part, k.dtype), k, cfg.precision) for part in g]
+    return sum(u[1:], u[0])
+
+
+def dq_dweights_from_u(u, q, weights):
+    """dq and dweights of a group of heads from u (``masked_cotangent_by_k``, summed over any number of
+    compute blocks): dq = w_h * u (a head's weight is constant along its rows; ``weights`` is
+    ``[n, block_q, 1]``, or already broadcast along D) and, since relu(logit) g = relu'(logit) g
+    (q . k_w), dweights = sum_d q * u. ``[n * block_q, D]`` and ``[n, block_q, 1]`` (each head's
+    column, as the lane sum leaves it) float32, before the softmax scale."""
+    n, block_q = weights.shape[:2]
+    u = u.reshape(n, block_q, -1)
+    dweights = jnp.sum(upcast(q, jnp.float32).reshape(u.shape) * u, axis=2, keepdims=True)
+    return (u * weights).reshape(n * block_q, -1), dweights
+
+
+def lane_broadcast(x, column, width):
+    """``x[:, column]`` broadcast across ``width`` lanes, ``[rows, width]`` float32, by the MXU (x times a
+    one-hot ``[columns, width]``, exact): a lane broadcast costs the XLU an operation per vreg."""
+    one_hot = jax.lax.broadcasted_iota(jnp.int32, (x.shape[1], width), 0) == column
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    return matmul(x, one_hot.astype(x.dtype), precision)
+
+
+def rows_across(row, width):
+    """A float32 row ``[1, n]`` as a column broadcast across ``width`` lanes, ``[n, width]``: each value
+    times ones by the MXU (exact at HIGHEST), where moving it from lanes to sublanes costs the XLU."""
+    ones = jnp.ones((1, width), jnp.float32)
+    return jax.lax.dot_general(
+        row, ones, CONTRACT_FIRST, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+    )
+
+
+def row_sums(x):
+    """The sums along the lanes of float32 ``x`` [n, d] as a lane-dense row ``[1, n]``: ones times xᵀ by
+    the MXU at HIGHEST, which leaves the sums where a row of them is wanted."""
+    ones = jnp.ones((1, x.shape[1]), jnp.float32)
+    return jax.lax.dot_general(
+        ones, x, CONTRACT_LAST, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+    )
+
+
+def dlogits(logits, g, weights):
+    """d score / d logits of a group of heads, ``[n * block_q, compute_w]`` float32: g * weights_h where
+    the logit is positive (relu' = 1[x > 0]), else 0; rows stacked as the group's q is."""
+    return jnp.where(logits > 0.0, g * weights, 0.0).reshape(-1, logits.shape[2])
+
+
+def dk(cfg, logits, g, weights, q):
+    """dk of one compute block from a group of heads before the softmax scale, ``[compute_w, D]`` float32:
+    dlogits transposed times the stacked q. A head's weight is constant along a row of dlogits, so
+    along the same row of q: where the cotangent is exact in the MXU type (``cfg.exact_cotangent``) the
+    weights go onto q, and the masked g is transposed in the MXU type and meets the weighted q
+    ``[rows, D]`` as ``cfg.grad_matmul`` says (the product and any split on [rows, D], not on
+    [rows, compute_w]); else float32 dlogits are transposed once, before a split would make two tiles
+    of them to transpose."""
+    if cfg.exact_cotangent:
+        weighted_q = (q.astype(jnp.float32).reshape(*weights.shape[:2], -1) * weights).reshape(q.shape)
+        return grad_matmul_rhs(cfg, relu_grad(logits, g, q.dtype).T, weighted_q)
+    return grad_matmul(cfg, dlogits(logits, g, weights).T, q)
