@@ -34,7 +34,9 @@ def _spec_for(family: pipeline.Family, choices: list[dict]):
     first, rest = choices[0], choices[1:]
     matrix = VariantMatrix(**{axis: [value] for axis, value in first.items()})
     variants = Variants(matrix=matrix, include=[VariantChoice(**c) for c in rest])
-    return family.spec.model_copy(update={"family": f"{family.spec.family}_tuning", "variants": variants})
+    return family.spec.model_copy(
+        update={"family": f"{family.spec.family}_tuning", "variants": variants, "production": []}
+    )
 
 
 def candidates(family: pipeline.Family, variant: str) -> tuple[pipeline.Family | None, list[Candidate]]:
