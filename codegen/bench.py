@@ -164,12 +164,14 @@ class Problem:
 
         if self._indices is None:
             self._indices = jax.block_until_ready(self.package.topk_indices(self.selection(), self.top_k))
+            self._selected = int((self._indices >= 0).sum())
         return self._indices
 
     @property
     def selected(self) -> int:
-        """The selection's slots that hold a block."""
-        return int((self.indices >= 0).sum())
+        """The selection's slots that hold a block (counted once, with the selection)."""
+        self.indices  # noqa: B018 - makes the selection, and its count, on first use
+        return self._selected
 
     def flops(self, pairs: int, passes: int = 1) -> float:
         _, heads, _, head_dim, _, _ = self.shape
