@@ -14,199 +14,33 @@ dtype, over as many logits as the call has unmasked), so that "x matmul" reads w
 Assumptions: one bundle issues per cycle; DMAs overlap the compute; no stalls; one TensorCore runs
 every grid step (on a megacore chip, v5p, the parallel grid axes are split between two). The compiler's own
 branch regions around the template's (its pipeline's bookkeeping, an output window's copy) are
-counted as taken on every step: a small overestimate, stated rather than modelled. The grid loop's
-extra iterations (``PIPELINE_ITERATIONS``) issue the body less its wrapper region.
+counted as taken on every step: a small overestimate, stated rather than modelled.
 
-How the branches of a step map to compute blocks: the kernel templates unroll the compute blocks of a
-tile, each with the same ``pl.when`` structure, which ``BRANCHES`` states per kernel (conditions in
-program order, nested as in the template). The reader finds the compiler's wrapper region (the largest
-top-level one), splits its branches into the kernel's prologue, one group per compute block and its
-epilogue, and checks that every group has the stated shape; a template whose branches change without
-``BRANCHES`` fails there, naming the kernel and what was found. A condition the compiler if-converted
-has no branch and is not in ``BRANCHES``: its instructions issue on every path, which is what they cost.
+Which branch regions a grid step issues, and so the bundles of each path and of a call, is read by
+``codegen.grid_steps``; this module turns them into time and reports them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-import itertools
-import re
 import sys
 
 import numpy as np
 
 from codegen import chips, cost, schedule, tpu_compile
+from codegen.grid_steps import (
+    KINDS,
+    PIPELINE_ITERATIONS,
+    StructureError,
+    fill_and_drain,
+    loop_bodies,
+    once_per_batch,
+    one_step_reduction,
+    call_cycles,
+    steps,
+)
 from codegen.plan import KernelPlan, VariantPlan
-
-# Conditions of a compute block's branch regions: on the block's kind and the step's place in the
-# kernel's reduction (first, last).
-CONDITIONS = {
-    "work": lambda kind, first, last: kind != "empty",
-    "empty": lambda kind, first, last: kind == "empty",
-    "partial": lambda kind, first, last: kind == "partial",
-    "first": lambda kind, first, last: first,
-    "last": lambda kind, first, last: last,
-}
-KINDS = ("empty", "full", "partial")
-
-
-@dataclasses.dataclass(frozen=True)
-class Branches:
-    """A kernel's branch regions inside the compiler's wrapper: ``prologue`` and ``epilogue`` once per
-    step, ``per_block`` once per compute block; each region is (condition, nested regions)."""
-
-    prologue: tuple = ()
-    per_block: tuple = ()
-    epilogue: tuple = ()
-
-
-# From the templates (templates/tpu/forward.py.j2, backward.py.j2), in the order
-# the compiler lays the regions out (an if/else may come else-first). A compute block with work is
-# masked unconditionally: no region of its own.
-BRANCHES = {
-    # all heads in a step (a head chunk per matmul, if chunked): the empty block's masked store, else the
-    # masked scores
-    ("forward", False): Branches(per_block=(("empty", ()), ("work", ()))),
-    # a block with work (the q block's first one starts the sum of u: no region zeroes it); the finish
-    # at the last step
-    ("dq_dweights", False): Branches(per_block=(("work", ()),), epilogue=(("last", ()),)),
-    # zero at the reduction's first step; a block with work; store at the last
-    ("dk", False): Branches(prologue=(("first", ()),), per_block=(("work", ()),), epilogue=(("last", ()),)),
-}  # fmt: skip
-BRANCHES[("forward", True)] = BRANCHES[("forward", False)]
-BRANCHES[("dq_dweights", True)] = BRANCHES[("dq_dweights", False)]
-BRANCHES[("dk", True)] = BRANCHES[("dk", False)]
-
-
-def kernel_branches(kernel: str, chunked: bool) -> Branches:
-    """The ``Branches`` of a kernel of a variant with (``chunked``) or without head chunks."""
-    return BRANCHES[(kernel, chunked)]
-
-
-class StructureError(schedule.ScheduleError):
-    pass
-
-
-@dataclasses.dataclass(frozen=True)
-class Steps:
-    """A kernel's grid step read against its ``Branches``: bundles issued outside the compute blocks'
-    regions, and per compute block its top-level regions."""
-
-    sched: schedule.Schedule
-    branches: Branches
-    prologue: tuple[schedule.Span, ...]
-    blocks: tuple[tuple[schedule.Span, ...], ...]
-    epilogue: tuple[schedule.Span, ...]
-
-    @property
-    def shared(self) -> int:
-        """Bundles a step issues whatever its blocks and place: the body less every mapped region."""
-        mapped = self.prologue + self.epilogue + tuple(s for block in self.blocks for s in block)
-        return self.sched.body - sum(s.size for s in mapped)
-
-    def _skipped(self, spans, conds, kind, first, last) -> list[schedule.Span]:
-        """The regions not issued among ``spans`` (conditions ``conds``) and inside the issued ones."""
-        out = []
-        for span, (cond, nested) in zip(spans, conds):
-            if CONDITIONS[cond](kind, first, last):
-                out += self._skipped(span.children, nested, kind, first, last)
-            else:
-                out.append(span)
-        return out
-
-    def skipped(self, kinds, first: bool, last: bool) -> list[schedule.Span]:
-        """Regions a step skips whose compute blocks are of ``kinds`` (one per block)."""
-        out = self._skipped(self.prologue, self.branches.prologue, None, first, last)
-        out += self._skipped(self.epilogue, self.branches.epilogue, None, first, last)
-        for spans, kind in zip(self.blocks, kinds):
-            out += self._skipped(spans, self.branches.per_block, kind, first, last)
-        return out
-
-    def bundles(self, kinds, first: bool, last: bool) -> int:
-        """Bundles a step issues."""
-        return self.sched.body - sum(s.size for s in self.skipped(kinds, first, last))
-
-    def _issued(self, spans, conds, kind, first, last) -> int:
-        return sum(s.size for s in spans) - sum(
-            s.size for s in self._skipped(spans, conds, kind, first, last)
-        )
-
-    def block_bundles(self, n: int, kind: str, first: bool, last: bool) -> int:
-        """Bundles compute block ``n``'s regions issue."""
-        return self._issued(self.blocks[n], self.branches.per_block, kind, first, last)
-
-    def prologue_bundles(self, first: bool, last: bool) -> int:
-        """Bundles the prologue's and epilogue's regions issue."""
-        conds = self.branches.prologue + self.branches.epilogue
-        return self._issued(self.prologue + self.epilogue, conds, None, first, last)
-
-
-def _shape_of(spans) -> tuple:
-    return tuple((len(s.children), _shape_of(s.children)) for s in spans)
-
-
-def _want(conds) -> tuple:
-    return tuple((len(nested), _want(nested)) for _, nested in conds)
-
-
-def _alike(groups) -> bool:
-    """Whether the compute blocks' groups have the same regions: the same nesting, and sizes within 10%
-    and 64 bundles of each other position by position (the same code, unrolled, scheduled alike; the
-    first block's store may carry what the compiler hoisted, 63 bundles at 512 x 2048 / 512)."""
-    for position in zip(*groups):
-        sizes = [s.size for s in position]
-        if len({_shape_of([s]) for s in position}) > 1 or max(sizes) > 1.1 * min(sizes) + 64:
-            return False
-    return True
-
-
-def steps(
-    kernel: str,
-    chunked: bool,
-    sched: schedule.Schedule,
-    compute_blocks: int,
-    one_step_reduction: bool = False,
-) -> Steps:
-    """Maps ``sched``'s branch regions onto the kernel's ``kernel_branches``; StructureError if they differ.
-
-    Inside the compiler's wrapper region, the template's regions are a contiguous run: its prologue,
-    ``compute_blocks`` alike groups, its epilogue. Regions the compiler adds around them (the copy of an
-    output window, say) are shared code: issued, as an upper bound, on every step. Where the reduction
-    has one step (``one_step_reduction``: one w tile, say) every step is its first and last, so the
-    compiler folds the prologue's and epilogue's conditions: their code is shared code."""
-    branches = kernel_branches(kernel, chunked)
-    if one_step_reduction:
-        branches = dataclasses.replace(branches, prologue=(), epilogue=())
-    if not sched.spans:
-        raise StructureError(f"{kernel}: no branch region in the grid-step body")
-    inner = max(sched.spans, key=lambda s: s.size).children
-    pre, post, per = len(branches.prologue), len(branches.epilogue), len(branches.per_block)
-    want = pre + post + per * compute_blocks
-    for start in range(len(inner) - want + 1):
-        run = inner[start : start + want]
-        groups = tuple(tuple(run[pre + n * per : pre + (n + 1) * per]) for n in range(compute_blocks))
-        if (
-            _shape_of(run[:pre]) == _want(branches.prologue)
-            and _shape_of(run[want - post :]) == _want(branches.epilogue)
-            and all(_shape_of(g) == _want(branches.per_block) for g in groups)
-            and _alike(groups)
-        ):
-            return Steps(sched, branches, tuple(run[:pre]), groups, tuple(run[want - post :]))
-    raise StructureError(
-        f"{kernel}: the step's {len(inner)} branch regions hold no run of {pre} + {compute_blocks} compute "
-        f"blocks x {per} + {post} nested as the template's {branches}; found nesting {_shape_of(inner)}"
-    )
-
-
-def one_step_reduction(kp: KernelPlan, t: cost.Tiling) -> bool:
-    """Whether the kernel's reduction has one step at this tiling and shape (one w tile, say)."""
-    return bool(kp.reduced) and all(t.extents[a] == 1 for a in kp.reduced)
-
-
-# The grid loop runs this many iterations more than the grid has steps (its pipeline's fill and drain,
-# which issue DMAs and skip the wrapper region): read from every dense kernel's exit test by the tests.
-PIPELINE_ITERATIONS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,51 +69,6 @@ class KernelReport:
         """The call's time: the larger of its cycles at ``clock_hz`` and its bytes at the chip's cited
         HBM bandwidth (DMAs cost almost nothing in bundles, so a gather can be bound by its bytes)."""
         return max(self.cycles / self.clock_hz, self.call_bytes / self.hbm_bytes_per_second)
-
-
-def _fill_and_drain(sched: schedule.Schedule) -> int:
-    """Bundles of the grid loop's extra iterations: the body less its wrapper region."""
-    wrapper = max((s.size for s in sched.spans), default=0)
-    return PIPELINE_ITERATIONS * (sched.body - wrapper)
-
-
-def reduction_flags(kp: KernelPlan, extents: dict[str, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Over the kernel's grid (indexed in ``AXES`` order b, i, j, c): each step's (b, i, j) and whether it is
-    its reduction's first and last step (an axis the kernel's grid lacks has one step)."""
-    names = "bijc"
-    grid = np.indices([extents[a] if a in kp.axes else 1 for a in names]).reshape(4, -1)
-    first = np.ones(grid.shape[1], bool)
-    last = np.ones(grid.shape[1], bool)
-    for axis in kp.reduced:
-        n = names.index(axis)
-        first &= grid[n] == 0
-        last &= grid[n] == extents[axis] - 1
-    return grid, first, last
-
-
-def call_cycles(kp: KernelPlan, st: Steps, t: cost.Tiling, kinds: np.ndarray) -> int:
-    """Cycles of a call: per grid step the bundles of the path it takes. ``kinds``: the plan's
-    classification, [B * q blocks, compute blocks of the padded W] in 0 empty, 1 full, 2 partial."""
-    ex = t.extents
-    n_blocks = t.block_w // t.compute_w
-    # bundles of compute block n of kind k at (first, last)
-    table = np.array(
-        [
-            [[[st.block_bundles(n, KINDS[k], f, l) for l in (0, 1)] for f in (0, 1)] for k in range(3)]
-            for n in range(n_blocks)
-        ]
-    )
-    grid, first, last = reduction_flags(kp, ex)
-    b, i, j = grid[0], grid[1], grid[2]
-    rows = b * ex["i"] + i
-    total = st.shared * grid.shape[1] + _fill_and_drain(st.sched)
-    flags = first.astype(int), last.astype(int)
-    for f, l in itertools.product((0, 1), (0, 1)):
-        total += st.prologue_bundles(f, l) * int(np.sum((flags[0] == f) & (flags[1] == l)))
-    for n in range(n_blocks):
-        k = kinds[rows, j * n_blocks + n]
-        total += int(table[n][k, flags[0], flags[1]].sum())
-    return int(total)
 
 
 def _timing(
@@ -320,7 +109,7 @@ def kernel_report(
         dmas, dma_bytes = sched.step_dmas()
         return KernelReport(
             kernel, sched.bundles, sched.body, sched.executed(), {}, sched.occupancy(), sched.spill_stores(), loops,
-            steps_, steps_ * sched.executed() + _fill_and_drain(sched), calib, dmas, dma_bytes, steps_ * dma_bytes,
+            steps_, steps_ * sched.executed() + fill_and_drain(sched), calib, dmas, dma_bytes, steps_ * dma_bytes,
             **timing,
         )  # fmt: skip
     if sched.loops:
@@ -531,7 +320,7 @@ def threshold_report(
         spans = topk.threshold_spans(kv_start[:, rows].reshape(-1), kv_end[:, rows].reshape(-1), width)
         blocks += len(spans)
         cycles += len(spans) * none + (one - none) * int(np.sum(spans[:, 1] - spans[:, 0]))
-        cycles += _fill_and_drain(sched)
+        cycles += fill_and_drain(sched)
     return dataclasses.replace(report, steps=blocks, cycles=cycles, call_bytes=report.call_bytes * calls)
 
 
@@ -543,7 +332,7 @@ def sparse_report(report: KernelReport, sched: schedule.Schedule, family: str, p
     What runs once per batch element of a call is counted so, not on every step: the DMAs of the
     resident blocks (k's window and its dk: their index follows b only; the compiler issues them
     behind a predicate inside the step) and, in the backward, the zeroing of the dk accumulators at
-    the first q block and their folding at the last (``_once_per_batch``). With several windows, a
+    the first q block and their folding at the last (``once_per_batch``). With several windows, a
     query's loops over slots run the trips of its span of slots in the window: counted from a model
     of the indices at ``bounds`` (``_window_trips``), a query's loops costing one trip each the
     bundles a trip adds to the step over its queries."""
@@ -558,12 +347,12 @@ def sparse_report(report: KernelReport, sched: schedule.Schedule, family: str, p
         per_trip = (sched.executed() - none.executed()) / runtime.SPARSE_BLOCK_Q  # one a query's loops
         mean = trips / (calls * steps_ * runtime.SPARSE_BLOCK_Q)  # a query's trips a call
         loops = tuple((size, round(mean) if n == schedule.DYNAMIC else n) for size, n in loops)
-    once = _once_per_batch(sched, copies) if kernel == "sparse_backward" else set()
+    once = once_per_batch(sched, copies) if kernel == "sparse_backward" else set()
     resident = rows * -(-head_dim // 128) * 128 * 4  # bytes of a float32 block of the window's rows
     dmas, dma_bytes = sched.step_dmas(once, sizes=lambda n: n != resident)
     _, resident_bytes = sched.step_dmas(sizes=lambda n: n == resident)
     steady = none.executed(once)  # a step's bundles, its loops over spans of slots (if any) run no trip
-    per_call = steps_ * steady + batch * (sched.executed() - sched.executed(once)) + _fill_and_drain(sched)
+    per_call = steps_ * steady + batch * (sched.executed() - sched.executed(once)) + fill_and_drain(sched)
     cycles = int(calls * per_call + per_trip * trips)
     return dataclasses.replace(
         report, executed=int(steady + per_trip * trips / (calls * steps_)),  # a step's mean
@@ -622,20 +411,6 @@ def _window_trips(runtime, shape, top_k: int, rows: int, calls: int, bounds) -> 
     return out
 
 
-def _once_per_batch(sched: schedule.Schedule, dk_copies: int) -> set[int]:
-    """The sparse backward's bundles that run at one q block of a batch element only: the branch region
-    zeroing its dk accumulators (before the first loop over slots, none inside it) and, with more than
-    one accumulator, the one adding them up (after the last): the largest such region on each side."""
-    if not sched.loops:
-        raise StructureError("sparse_backward: no loop over slots in the step")
-    first, last = sched.loops[0].start, sched.loops[-1].stop
-    plain = [s for s in sched.all_spans() if not any(s.start <= x.start < s.stop for x in sched.loops)]
-    sides = [[s for s in plain if s.stop <= first]] + ([[s for s in plain if s.start >= last]] if dk_copies > 1 else [])
-    if not all(sides):
-        raise StructureError("sparse_backward: no branch region zeroing (or adding up) the dk accumulators")
-    return sched.skipped([max(side, key=lambda s: s.size) for side in sides])
-
-
 def _threshold_groups(family: str, path: str, width: int) -> int:
     """The groups of slices of a row of the threshold kernel: its loops' trips for a block that sees all."""
     padded, lanes, unroll, _ = _family_topk(family, path).threshold_geometry(width)
@@ -648,27 +423,6 @@ def _every_group(sched: schedule.Schedule, family: str, path: str, shape) -> sch
 
 
 XLA = "xla"  # the report of a program's XLA programs, beside its kernels'
-
-
-def loop_bodies(hlo: str) -> set[str]:
-    """Names of the HLO instructions inside a while loop's body (``score_topk``'s scan over query chunks:
-    each runs once per trip), from the optimised HLO text of the top-level program."""
-    computations: dict[str, list[tuple[str, str]]] = {}
-    current = None
-    for line in hlo.splitlines():
-        if m := re.match(r"^(?:ENTRY )?%([\w.\-]+) \(.*\{$", line):
-            current = computations.setdefault(m.group(1), [])
-        elif line.startswith("}"):
-            current = None
-        elif current is not None and (m := re.match(r"^\s+(?:ROOT )?%([\w.\-]+) = ", line)):
-            current.append((m.group(1), line))
-    bodies = [
-        m.group(1)
-        for instructions in computations.values()
-        for _, line in instructions
-        if " while(" in line and (m := re.search(r"body=%([\w.\-]+)", line))
-    ]
-    return {name for body in bodies for name, _ in computations.get(body, [])}
 
 
 def xla_report(

@@ -11,7 +11,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from codegen import cli, compiled, cost, pipeline, schedule, tpu_compile
+from codegen import cli, compiled, cost, grid_steps, pipeline, schedule, tpu_compile
 from tests.spec_cases import SPEC_PATH
 
 SHAPE = (1, 64, 8192, 128, 2048)
@@ -66,7 +66,7 @@ def _steps_by_loop(kp, st, t, kinds) -> int:
         first = all(at[a] == 0 for a in kp.reduced)
         last = all(at[a] == ex[a] - 1 for a in kp.reduced)
         row = kinds[b * ex["i"] + i, j * n_blocks : (j + 1) * n_blocks]
-        total += st.bundles([compiled.KINDS[k] for k in row], first, last)
+        total += st.bundles([grid_steps.KINDS[k] for k in row], first, last)
     return total
 
 
@@ -94,21 +94,21 @@ def test_compiled_schedule_of_the_production_kernels(tmp_path):
     for kp in plan.kernels:
         sched = schedule.parse(*kernels[f"{PRODUCTION}_{kp.name}"])
         # raises if the branches are not the template's
-        one_step = compiled.one_step_reduction(kp, t)  # dq/dweights: one w tile at W = 2048
-        st = compiled.steps(kp.name, True, sched, n_blocks, one_step)
+        one_step = grid_steps.one_step_reduction(kp, t)  # dq/dweights: one w tile at W = 2048
+        st = grid_steps.steps(kp.name, True, sched, n_blocks, one_step)
         ex = t.extents
-        assert sched.grid_trips == np.prod([ex[a] for a in kp.axes]) + compiled.PIPELINE_ITERATIONS
+        assert sched.grid_trips == np.prod([ex[a] for a in kp.axes]) + grid_steps.PIPELINE_ITERATIONS
         # the shared code plus every region once is the straight-line body
         regions = st.prologue + st.epilogue + tuple(s for block in st.blocks for s in block)
         assert st.shared + sum(s.size for s in regions) == sched.body
         assert st.bundles(["partial"] * n_blocks, True, True) <= sched.body
         for first, last in ((True, True), (False, False), (True, False), (False, True)):
-            empty, full, partial = (st.bundles([k] * n_blocks, first, last) for k in compiled.KINDS)
+            empty, full, partial = (st.bundles([k] * n_blocks, first, last) for k in grid_steps.KINDS)
             assert empty < full <= partial <= sched.body
         # the vectorised count equals a walk over every grid step
         for kinds in (unmasked, causal):
-            fill_and_drain = compiled._fill_and_drain(sched)
-            assert compiled.call_cycles(kp, st, t, kinds) == _steps_by_loop(kp, st, t, kinds) + fill_and_drain
+            fill_and_drain = grid_steps.fill_and_drain(sched)
+            assert grid_steps.call_cycles(kp, st, t, kinds) == _steps_by_loop(kp, st, t, kinds) + fill_and_drain
         cal = (calib, compiled.CALIBRATION_BLOCK[0] * compiled.CALIBRATION_BLOCK[1])
         rep = {
             m: compiled.kernel_report(plan, kp, kp.name, sched, t, k, *cal)
@@ -125,11 +125,11 @@ def test_compiled_schedule_of_the_production_kernels(tmp_path):
 
     # A template whose branches changed without BRANCHES is refused, naming the kernel.
     sched = schedule.parse(*kernels[f"{PRODUCTION}_dk"])
-    wrong = dataclasses.replace(compiled.BRANCHES[("dk", True)], per_block=(("work", (("partial", ()),)),))
+    wrong = dataclasses.replace(grid_steps.BRANCHES[("dk", True)], per_block=(("work", (("partial", ()),)),))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(compiled.BRANCHES, ("dk", True), wrong)
-        with pytest.raises(compiled.StructureError, match=r"dk: the step's \d+ branch regions hold no run"):
-            compiled.steps("dk", True, sched, n_blocks)
+        mp.setitem(grid_steps.BRANCHES, ("dk", True), wrong)
+        with pytest.raises(grid_steps.StructureError, match=r"dk: the step's \d+ branch regions hold no run"):
+            grid_steps.steps("dk", True, sched, n_blocks)
 
 
 def test_a_reduction_of_one_step_folds_its_first_and_last_regions(tmp_path):
@@ -142,12 +142,12 @@ def test_a_reduction_of_one_step_folds_its_first_and_last_regions(tmp_path):
                                          keep=str(tmp_path))  # fmt: skip
     assert result.ok, result.error
     kp = next(k for k in plan.kernels if k.name == "dq_dweights")
-    assert compiled.one_step_reduction(kp, t)
+    assert grid_steps.one_step_reduction(kp, t)
     sched = schedule.parse(*result.kernels()[f"{name}_dq_dweights"])
     n_blocks = t.block_w // t.compute_w
-    with pytest.raises(compiled.StructureError, match="dq_dweights: the step's"):
-        compiled.steps(kp.name, False, sched, n_blocks)
-    st = compiled.steps(kp.name, False, sched, n_blocks, one_step_reduction=True)
+    with pytest.raises(grid_steps.StructureError, match="dq_dweights: the step's"):
+        grid_steps.steps(kp.name, False, sched, n_blocks)
+    st = grid_steps.steps(kp.name, False, sched, n_blocks, one_step_reduction=True)
     assert not st.prologue and not st.epilogue
     assert st.bundles(["full"] * n_blocks, False, False) == sched.body  # the finish included
 
@@ -254,7 +254,7 @@ ENTRY %main () -> s32[4] {
 
 
 def test_loop_bodies_are_read_from_the_hlo():
-    assert compiled.loop_bodies(SYNTHETIC_HLO) == {"arg", "fusion.7", "tuple.1"}
+    assert grid_steps.loop_bodies(SYNTHETIC_HLO) == {"arg", "fusion.7", "tuple.1"}
 
 
 def test_a_loop_the_kernel_bounds_itself_takes_the_trips_the_caller_gives(tmp_path):
@@ -292,15 +292,15 @@ def test_sparse_kernels_cost_their_windows_and_once_per_batch_work_once(num_bloc
     report = compiled.sparse_report(
         base, sched, "generated.csa_v4", "", shape, plan, "sparse_backward", top_k
     )
-    steps, trips = sched.grid_trips - compiled.PIPELINE_ITERATIONS, top_k // 16  # a query's, over W
+    steps, trips = sched.grid_trips - grid_steps.PIPELINE_ITERATIONS, top_k // 16  # a query's, over W
     assert steps == 64 // 8 and report.steps == steps * calls
     full = sched.with_trips(trips)  # every slot visited in every call
-    once = compiled._once_per_batch(full, copies)
+    once = grid_steps.once_per_batch(full, copies)
     # the zeroing (and, with several accumulators, the adding up) writes every row of each: at least
     # one vector store a bundle for its rows x 128 lanes of float32, 8 rows a vector
     assert len(once) >= copies * rows // 8 // 4
     once_bundles = full.executed() - full.executed(once)
-    fill = compiled._fill_and_drain(sched)
+    fill = grid_steps.fill_and_drain(sched)
     if windows == 1:
         assert report.cycles == steps * full.executed(once) + once_bundles + fill
     else:  # each slot visited once over the calls: a trip more at most per query and window
