@@ -112,11 +112,8 @@ def kernel_report(
             steps_, steps_ * sched.executed() + fill_and_drain(sched), calib, dmas, dma_bytes, steps_ * dma_bytes,
             **timing,
         )  # fmt: skip
-    if sched.loops:
-        raise StructureError(
-            f"{kernel}: a loop inside a dense kernel's step is not costed ({len(loops)} found)"
-        )
     n_blocks = t.block_w // t.compute_w
+    # raises on a loop other than the compute blocks'
     st = steps(kp.name, plan.head_chunk > 0, sched, n_blocks, one_step_reduction(kp, t))
     steady = not kp.reduced  # a step inside its reduction (neither first nor last), or its only step
     full = sched.skipped(st.skipped(["full"] * n_blocks, steady, steady))

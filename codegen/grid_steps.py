@@ -77,19 +77,24 @@ class StructureError(schedule.ScheduleError):
 @dataclasses.dataclass(frozen=True)
 class Steps:
     """A kernel's grid step read against its ``Branches``: bundles issued outside the compute blocks'
-    regions, and per compute block its top-level regions."""
+    regions, and per compute block its top-level regions. Where the step runs its compute blocks as a
+    loop (``loop``), every block is one trip of it: the same regions, and the trip's own bundles."""
 
     sched: schedule.Schedule
     branches: Branches
     prologue: tuple[schedule.Span, ...]
     blocks: tuple[tuple[schedule.Span, ...], ...]
     epilogue: tuple[schedule.Span, ...]
+    loop: schedule.Loop | None = None
 
     @property
     def shared(self) -> int:
-        """Bundles a step issues whatever its blocks and place: the body less every mapped region."""
-        mapped = self.prologue + self.epilogue + tuple(s for block in self.blocks for s in block)
-        return self.sched.body - sum(s.size for s in mapped)
+        """Bundles a step issues once whatever its blocks and place: the body less every mapped region
+        (and less the compute-block loop, whose trips are the blocks')."""
+        ends = self.prologue + self.epilogue
+        if self.loop is not None:
+            return self.sched.body - sum(s.size for s in ends) - self.loop.size
+        return self.sched.body - sum(s.size for s in ends + tuple(s for b in self.blocks for s in b))
 
     def _skipped(self, spans, conds, kind, first, last) -> list[schedule.Span]:
         """The regions not issued among ``spans`` (conditions ``conds``) and inside the issued ones."""
@@ -111,7 +116,8 @@ class Steps:
 
     def bundles(self, kinds, first: bool, last: bool) -> int:
         """Bundles a step issues."""
-        return self.sched.body - sum(s.size for s in self.skipped(kinds, first, last))
+        blocks = sum(self.block_bundles(n, kind, first, last) for n, kind in enumerate(kinds))
+        return self.shared + self.prologue_bundles(first, last) + blocks
 
     def _issued(self, spans, conds, kind, first, last) -> int:
         return sum(s.size for s in spans) - sum(
@@ -119,7 +125,11 @@ class Steps:
         )
 
     def block_bundles(self, n: int, kind: str, first: bool, last: bool) -> int:
-        """Bundles compute block ``n``'s regions issue."""
+        """Bundles compute block ``n`` issues: its regions' (unrolled), or a trip of the loop less the
+        regions it skips."""
+        if self.loop is not None:
+            skipped = self._skipped(self.blocks[n], self.branches.per_block, kind, first, last)
+            return self.loop.size - sum(s.size for s in skipped)
         return self._issued(self.blocks[n], self.branches.per_block, kind, first, last)
 
     def prologue_bundles(self, first: bool, last: bool) -> int:
@@ -147,6 +157,20 @@ def _alike(groups) -> bool:
     return True
 
 
+def compute_block_loop(sched: schedule.Schedule, compute_blocks: int) -> schedule.Loop | None:
+    """The loop a step runs its compute blocks as (``_kernel_ops.each_compute_block``: several blocks
+    are a loop of as many trips), or None where there is one block; StructureError if it is not there."""
+    if compute_blocks == 1:
+        return None
+    loops = [x for x in sched.loops if x.trips == compute_blocks]
+    if len(loops) != 1 or len(sched.loops) != 1:
+        raise StructureError(
+            f"expected one loop of {compute_blocks} trips over the compute blocks; found loops "
+            f"{[(x.start, x.stop, x.trips) for x in sched.loops]}"
+        )
+    return loops[0]
+
+
 def steps(
     kernel: str,
     chunked: bool,
@@ -157,7 +181,8 @@ def steps(
     """Maps ``sched``'s branch regions onto the kernel's ``kernel_branches``; StructureError if they differ.
 
     Inside the compiler's wrapper region, the template's regions are a contiguous run: its prologue,
-    ``compute_blocks`` alike groups, its epilogue. Regions the compiler adds around them (the copy of an
+    the compute blocks' regions, its epilogue. Several compute blocks are one loop, whose body holds one
+    block's regions (``compute_block_loop``). Regions the compiler adds around them (the copy of an
     output window, say) are shared code: issued, as an upper bound, on every step. Where the reduction
     has one step (``one_step_reduction``: one w tile, say) every step is its first and last, so the
     compiler folds the prologue's and epilogue's conditions: their code is shared code."""
@@ -166,21 +191,33 @@ def steps(
         branches = dataclasses.replace(branches, prologue=(), epilogue=())
     if not sched.spans:
         raise StructureError(f"{kernel}: no branch region in the grid-step body")
+    try:
+        loop = compute_block_loop(sched, compute_blocks)
+    except StructureError as err:
+        raise StructureError(f"{kernel}: {err}") from None
+    groups_written = 1 if loop is not None else compute_blocks  # a loop's body holds one block
     inner = max(sched.spans, key=lambda s: s.size).children
     pre, post, per = len(branches.prologue), len(branches.epilogue), len(branches.per_block)
-    want = pre + post + per * compute_blocks
+    want = pre + post + per * groups_written
     for start in range(len(inner) - want + 1):
         run = inner[start : start + want]
-        groups = tuple(tuple(run[pre + n * per : pre + (n + 1) * per]) for n in range(compute_blocks))
+        groups = tuple(tuple(run[pre + n * per : pre + (n + 1) * per]) for n in range(groups_written))
+        in_loop = (
+            loop is None
+            or all(loop.start <= s.start and s.stop <= loop.stop for g in groups for s in g)
+            and not any(loop.start <= s.start < loop.stop for s in run[:pre] + run[want - post :])
+        )
         if (
-            _shape_of(run[:pre]) == _want(branches.prologue)
+            in_loop
+            and _shape_of(run[:pre]) == _want(branches.prologue)
             and _shape_of(run[want - post :]) == _want(branches.epilogue)
             and all(_shape_of(g) == _want(branches.per_block) for g in groups)
             and _alike(groups)
         ):
-            return Steps(sched, branches, tuple(run[:pre]), groups, tuple(run[want - post :]))
+            blocks = groups * compute_blocks if loop is not None else groups
+            return Steps(sched, branches, tuple(run[:pre]), blocks, tuple(run[want - post :]), loop)
     raise StructureError(
-        f"{kernel}: the step's {len(inner)} branch regions hold no run of {pre} + {compute_blocks} compute "
+        f"{kernel}: the step's {len(inner)} branch regions hold no run of {pre} + {groups_written} compute "
         f"blocks x {per} + {post} nested as the template's {branches}; found nesting {_shape_of(inner)}"
     )
 

@@ -99,12 +99,14 @@ def test_compiled_schedule_of_the_production_kernels(tmp_path):
         ex = t.extents
         assert sched.grid_trips == np.prod([ex[a] for a in kp.axes]) + grid_steps.PIPELINE_ITERATIONS
         # the shared code plus every region once is the straight-line body
-        regions = st.prologue + st.epilogue + tuple(s for block in st.blocks for s in block)
-        assert st.shared + sum(s.size for s in regions) == sched.body
-        assert st.bundles(["partial"] * n_blocks, True, True) <= sched.body
+        # (the compute blocks are a loop of n_blocks trips, its body one block's regions)
+        assert st.loop is not None and st.loop.trips == n_blocks and len(set(st.blocks)) == 1
+        ends = sum(s.size for s in st.prologue + st.epilogue)
+        assert st.shared + ends + st.loop.size == sched.body
+        assert st.bundles(["partial"] * n_blocks, True, True) <= sched.executed()  # every region taken
         for first, last in ((True, True), (False, False), (True, False), (False, True)):
             empty, full, partial = (st.bundles([k] * n_blocks, first, last) for k in grid_steps.KINDS)
-            assert empty < full <= partial <= sched.body
+            assert empty < full <= partial <= sched.executed()
         # the vectorised count equals a walk over every grid step
         for kinds in (unmasked, causal):
             fill_and_drain = grid_steps.fill_and_drain(sched)

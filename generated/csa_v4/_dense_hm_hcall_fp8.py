@@ -64,29 +64,32 @@ def _block_specs(x, at):
 
 
 def _forward_reads(num_q_blocks, num_chunks, b, i, j, w_lo_ref, w_hi_ref, *_):
-    """The (b, c, i, j) whose tiles forward step (b, i, j) reads: j clamped into [w_lo, w_hi) of its q block, so a step with no work keeps the tiles of its neighbour that has some and no DMA is issued."""
+    """The (b, c, i, j) whose tiles forward step (b, i, j) reads: j clamped into [w_lo, w_hi) of its q block, so a step with no work keeps the tiles of its neighbour that has some and no DMA is issued; a q block with no work at all reads block 0's."""
     del num_chunks  # no head chunk to hold
     row = b * num_q_blocks + i
     lo, hi = w_lo_ref[row], w_hi_ref[row]
     j = _operands.clamp(j, lo, hi)
+    i = _operands.park(i, lo, hi)
     return b, 0, i, j
 
 
 def _dq_dweights_reads(num_q_blocks, num_chunks, b, i, j, w_lo_ref, w_hi_ref, *_):
-    """The (b, c, i, j) whose tiles dq_dweights step (b, i, j) reads: j clamped into [w_lo, w_hi) of its q block, so a step with no work keeps the tiles of its neighbour that has some and no DMA is issued."""
+    """The (b, c, i, j) whose tiles dq_dweights step (b, i, j) reads: j clamped into [w_lo, w_hi) of its q block, so a step with no work keeps the tiles of its neighbour that has some and no DMA is issued; a q block with no work at all reads block 0's."""
     del num_chunks  # no head chunk to hold
     row = b * num_q_blocks + i
     lo, hi = w_lo_ref[row], w_hi_ref[row]
     j = _operands.clamp(j, lo, hi)
+    i = _operands.park(i, lo, hi)
     return b, 0, i, j
 
 
 def _dk_reads(num_w_blocks, num_chunks, b, j, i, q_lo_ref, q_hi_ref, *_):
-    """The (b, c, i, j) whose tiles dk step (b, j, i) reads: i clamped into [q_lo, q_hi) of its w block, so a step with no work keeps the tiles of its neighbour that has some and no DMA is issued."""
+    """The (b, c, i, j) whose tiles dk step (b, j, i) reads: i clamped into [q_lo, q_hi) of its w block, so a step with no work keeps the tiles of its neighbour that has some and no DMA is issued; a w block with no work at all reads block 0's."""
     del num_chunks  # no head chunk to hold
     row = b * num_w_blocks + j
     lo, hi = q_lo_ref[row], q_hi_ref[row]
     i = _operands.clamp(i, lo, hi)
+    j = _operands.park(j, lo, hi)
     return b, 0, i, j
 
 
@@ -156,7 +159,9 @@ def _forward_kernel(
     b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     del w_lo_ref, w_hi_ref  # used by the index maps only
     row = b * pl.num_programs(1) + i
-    for block in _kernel_ops.compute_blocks((any_lo_ref, any_hi_ref), row, j, k_ref.shape[0], cfg.compute_w):
+
+    @_kernel_ops.each_compute_block((any_lo_ref, any_hi_ref), row, j, k_ref.shape[0], cfg.compute_w)
+    def _block(block):
 
         @pl.when(block.work)
         def _store():
@@ -223,7 +228,9 @@ def _dq_dweights_kernel(
     last = j == pl.num_programs(2) - 1
 
     row = b * pl.num_programs(1) + i
-    for block in _kernel_ops.compute_blocks((any_lo_ref, any_hi_ref), row, j, k_ref.shape[0], cfg.compute_w):
+
+    @_kernel_ops.each_compute_block((any_lo_ref, any_hi_ref), row, j, k_ref.shape[0], cfg.compute_w)
+    def _block(block):
 
         @pl.when(block.work)
         def _accumulate():
@@ -287,7 +294,9 @@ def _dk_kernel(
         dk_acc_ref[...] = jnp.zeros_like(dk_acc_ref)
 
     row = b * pl.num_programs(2) + i
-    for block in _kernel_ops.compute_blocks((any_lo_ref, any_hi_ref), row, j, k_ref.shape[0], cfg.compute_w):
+
+    @_kernel_ops.each_compute_block((any_lo_ref, any_hi_ref), row, j, k_ref.shape[0], cfg.compute_w)
+    def _block(block):
 
         @pl.when(block.work)
         def _accumulate():

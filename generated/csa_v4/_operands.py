@@ -200,6 +200,13 @@ def clamp(x, lo, hi):
     return jnp.minimum(jnp.maximum(x, lo), jnp.maximum(hi - 1, lo))
 
 
+def park(x, lo, hi):
+    """``x``, or 0 where ``[lo, hi)`` is empty: the q block (w tile) of a step has no work at all, so its
+    tiles are never read, and naming block 0's lets a run of such steps fetch nothing. (On a v5e the
+    forward's call with every block masked took 0.27 ms fetching each q block, 0.13 ms parked.)"""
+    return jnp.where(lo < hi, x, 0)
+
+
 def hold(c, x, lo, hi, num_chunks):
     """The head chunk a step keeps when ``x`` lies outside [lo, hi): that of the neighbouring step that
     does work (the first chunk before the range, the last after it)."""
