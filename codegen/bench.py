@@ -24,10 +24,11 @@ import numpy as np
 
 # The default shapes (B, H, S, D, W, top_k): DeepSeek-V4 prefill, and a four times longer context.
 SHAPES = ((1, 64, 8192, 128, 2048, 512), (1, 64, 32768, 128, 8192, 1024))
-# Per production variant: ``score`` (forward) on three masks, forward + gradient on two, the selection
+# Per production variant: ``score`` (forward) on three masks and three bands, forward + gradient on two, the selection
 # three ways, the sparse score and the indexer loss.
 VARIANT_CASES = (
-    "score.unmasked", "score.causal", "score.masked", "grad.unmasked", "grad.causal",
+    "score.unmasked", "score.causal", "score.masked", "score.band8", "score.band4", "score.band2",
+    "grad.unmasked", "grad.causal",
     "topk", "topk.lax", "topk.approx", "sparse", "sparse.grad", "loss.dense", "loss.sparse",
 )  # fmt: skip
 # Once per shape (``stacked`` always: the ratios are read against it), and the calibration once a run.
@@ -37,6 +38,7 @@ CASES = VARIANT_CASES + PEER_CASES
 # is timed only up to this S, so that a default run takes minutes; naming ``topk`` in --cases times it.
 TOPK_DEFAULT_MAX_SEQ = 8192
 MATMUL_N = 8192
+BAND_FRACTIONS = (8, 4, 2)  # score.bandF: every row sees 1/F of the blocks (band_bounds)
 APPROX_RECALL = 0.95  # lax.approx_max_k's recall target
 SAMPLE_SECONDS = 0.02  # the least time one timing sample spans (see median_ms)
 
@@ -151,6 +153,12 @@ class Problem:
             "causal": int(np.clip(end - start, 0, num_blocks).sum()),
             "masked": 0,
         }
+        for fraction in BAND_FRACTIONS:  # bands: every row sees 1/fraction of the blocks
+            lo, hi = band_bounds(seq_len, num_blocks, fraction)
+            self.bounds[f"band{fraction}"] = tuple(
+                jnp.asarray(np.broadcast_to(x, (batch, seq_len)), jnp.int32) for x in (lo, hi)
+            )
+            self.pairs[f"band{fraction}"] = batch * int((hi - lo).sum())
         self.selection: Callable | None = None  # makes the causal scores the selection is taken from
         self.selection_shape = (batch, seq_len, top_k)
         self.abstract_indices = jax.ShapeDtypeStruct(self.selection_shape, jnp.int32)
@@ -176,6 +184,14 @@ class Problem:
     def flops(self, pairs: int, passes: int = 1) -> float:
         _, heads, _, head_dim, _, _ = self.shape
         return 2.0 * heads * head_dim * pairs * passes
+
+
+def band_bounds(seq_len: int, num_blocks: int, fraction: int) -> tuple[np.ndarray, np.ndarray]:
+    """A band mask: query s sees ``num_blocks // fraction`` blocks from ``s * (W - width) // S``, a window
+    sliding from the first blocks to the last down the sequence (int64 ``[S]`` start, end)."""
+    width = num_blocks // fraction
+    start = np.arange(seq_len) * (num_blocks - width) // seq_len
+    return start, start + width
 
 
 def with_gradient(fn: Callable) -> Callable:
@@ -350,7 +366,7 @@ class Bench:
         score = lambda q, k, w, s, e: module.score(q, k, w, kv_start=s, kv_end=e)
         causal = p.bounds["causal"]
         forward, gradient = jax.jit(score), jax.jit(with_gradient(score))  # one program for every mask
-        for mask in ("unmasked", "causal", "masked"):
+        for mask in ("unmasked", "causal", "masked", *(f"band{f}" for f in BAND_FRACTIONS)):
             if f"score.{mask}" in cases:
                 self.add(
                     shape, f"score.{mask}", name, forward, (*args, *p.bounds[mask]), p.flops(p.pairs[mask])
