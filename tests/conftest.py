@@ -76,7 +76,18 @@ def kernels_module(request):
     return VARIANTS[request.param]
 
 
-@pytest.fixture(params=_one_per(("q_layout", "q_dtype", "weights_dtype", "out_dtype", "k_scale", "backward")))
+# One variant per shared sparse kernel module (``_sparse_*``): for what its code decides whatever the
+# variant passes in (the windows of k, say).
+ONE_PER_SPARSE_KERNELS = sorted(
+    {min(n for n in VARIANTS if VARIANTS[n]._sparse is m._sparse) for m in VARIANTS.values()}
+)
+
+
+# One variant per layout, dtype policy and backward: what the sparse kernels depend on.
+SPARSE_MODULES = _one_per(("q_layout", "q_dtype", "weights_dtype", "out_dtype", "k_scale", "backward"))
+
+
+@pytest.fixture(params=SPARSE_MODULES)
 def sparse_module(request):
     """One variant module per layout, dtype policy and backward: what the sparse kernels depend on
     (they use none of a variant's tiling or head chunk)."""

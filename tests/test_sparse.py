@@ -17,6 +17,7 @@ import pytest
 from codegen import plan, reference
 from generated.csa_v4 import VARIANTS, _gather, _geometry, _helpers, topk_indices
 from tests import support
+from tests.conftest import ONE_PER_SPARSE_KERNELS, SPARSE_MODULES
 from tests.spec_cases import ROOT, family
 
 # Ragged everywhere: S and W off every tile, top_k off the gathered rows' sublane tiling.
@@ -54,11 +55,17 @@ def _gathered(dense, indices):
 
 
 @pytest.mark.chip
-@pytest.mark.parametrize("windows", [1, 3], ids=["resident_k", "k_in_windows"])
-def test_sparse_score_and_its_gradients_match_the_reference_gathered(sparse_module, windows, monkeypatch):
-    """Against the dense reference at the indices: with all of k resident, and with k in three windows
-    (one call per window, each seeing its slots; W past the VMEM that holds it, on a small VMEM)."""
-    module = sparse_module
+@pytest.mark.parametrize(
+    "name, windows",
+    [(n, 1) for n in SPARSE_MODULES] + [(n, 3) for n in ONE_PER_SPARSE_KERNELS],
+    ids=[f"{n}-resident_k" for n in SPARSE_MODULES] + [f"{n}-k_in_windows" for n in ONE_PER_SPARSE_KERNELS],
+)
+def test_sparse_score_and_its_gradients_match_the_reference_gathered(name, windows, monkeypatch):
+    """Against the dense reference at the indices: with all of k resident (a variant per layout, dtype
+    policy and backward), and with k in three windows (one call per window, each seeing its slots; W
+    past the VMEM that holds it, on a small VMEM), which the sparse kernel module's own code decides:
+    a variant per module."""
+    module = VARIANTS[name]
     variant = module.VARIANT
     batch, heads, seq_len, head_dim, num_blocks = SHAPE
     if windows > 1:
