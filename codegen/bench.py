@@ -438,7 +438,8 @@ def environment() -> dict:
 
 
 def report(saved: dict) -> str:
-    """A saved run (``--json``) as markdown: a table per shape, the calibration under them."""
+    """A saved run (``--json``) as markdown: one table, a row per case and its subject, the shapes side by
+    side (ms, ratio to the stacked-heads forward, TF/s each); the calibration under it."""
     lines = [
         f"Measured on one {saved['chip']}, JAX {saved['jax']}, {saved['date']}: `{saved['command']}` "
         f"(median of {saved['calls']} samples of back-to-back calls after a warm-up; ratio to the stacked-heads every-block forward "
@@ -452,21 +453,31 @@ def report(saved: dict) -> str:
         Result(**{**{k: v for k, v in r.items() if k in fields}, "shape": tuple(r["shape"])})
         for r in saved["results"]
     ]
-    for shape in dict.fromkeys(r.shape for r in rows if r.shape[2]):
-        batch, heads, seq_len, head_dim, num_blocks, top_k = shape
-        lines += [
-            f"B {batch}, H {heads}, S {seq_len}, D {head_dim}, W {num_blocks}, top_k {top_k}:",
-            "",
-            "| case | what | ms | x stacked | TF/s |",
-            "|---|---|---:|---:|---:|",
-        ]
-        for r in (r for r in rows if r.shape == shape):
-            if r.ms is None:
-                lines.append(f"| {r.case} | {r.subject} | {r.note} | | |")
-            else:
-                ratio = f"{r.ratio:.2f}" if r.ratio else ""
-                rate = (f"{r.tflops:.0f}" if r.tflops >= 10 else f"{r.tflops:.1f}") if r.tflops else ""
-                lines.append(f"| {r.case} | {r.subject} | {r.ms:.2f} | {ratio} | {rate} |")
+    shapes = list(dict.fromkeys(r.shape for r in rows if r.shape[2]))
+    if shapes:
+        batch, heads, _, head_dim, _, _ = shapes[0]
+        named = "; ".join(f"S {s[2]}, W {s[4]}, top_k {s[5]}" for s in shapes)
+        lines += [f"B {batch}, H {heads}, D {head_dim}; {named}:", ""]
+        head = ["case", "what"]
+        for shape in shapes:
+            head += [f"ms, S {shape[2]}", "x stacked", "TF/s"]
+        lines += ["| " + " | ".join(head) + " |", "|---|---|" + "---:|---:|---:|" * len(shapes)]
+        table: dict[tuple[str, str], dict] = {}
+        for r in rows:
+            if r.shape[2]:
+                table.setdefault((r.case, r.subject), {})[r.shape] = r
+        for (case, subject), by_shape in table.items():
+            cells = [case, subject]
+            for shape in shapes:
+                r = by_shape.get(shape)
+                if r is None:
+                    cells += ["", "", ""]
+                elif r.ms is None:
+                    cells += [r.note, "", ""]
+                else:
+                    rate = (f"{r.tflops:.0f}" if r.tflops >= 10 else f"{r.tflops:.1f}") if r.tflops else ""
+                    cells += [f"{r.ms:.2f}", f"{r.ratio:.2f}" if r.ratio else "", rate]
+            lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     for r in (r for r in rows if not r.shape[2] and r.ms):
         lines.append(f"Calibration: {r.subject}, {MATMUL_N}^3: {r.ms:.2f} ms, {r.tflops:.0f} TF/s.")

@@ -57,11 +57,12 @@ def _saved():
 def test_report_of_a_saved_run():
     text = bench.report(_saved())
     assert text.startswith("Measured on one TPU v5 lite, JAX 0.10.2, 2026-12-06: `codegen bench`")
-    assert "B 1, H 64, S 8192, D 128, W 2048, top_k 512:" in text
+    assert "B 1, H 64, D 128; S 8192, W 2048, top_k 512:" in text
+    assert "| case | what | ms, S 8192 | x stacked | TF/s |" in text
     assert "| stacked | stacked-heads forward, every block | 1.94 | 1.00 | 142 |" in text
     assert "| score.causal | tpu_sm_bf16_q512_w2048c512_hc16 | 1.79 | 0.92 | 77 |" in text
     assert "| topk | tpu_sm_bf16_q512_w2048c512_hc16 score_topk | 428.10 | 220.70 | 0.6 |" in text
-    assert "| xla.grad | XLA score, forward + gradient | does not fit | | |" in text
+    assert "| xla.grad | XLA score, forward + gradient | does not fit |  |  |" in text
     assert text.rstrip().endswith("Calibration: bf16 matmul (calibration), 8192^3: 6.11 ms, 180 TF/s.")
 
 
