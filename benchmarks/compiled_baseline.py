@@ -52,6 +52,7 @@ def main(argv=None) -> int:
         f"generated.{family.spec.family}", plans, chips, shape, family.spec.computation.compress_rate,
         masks=("unmasked", "causal"), programs=("fwd", "grad"), jobs=a.jobs,
     )  # fmt: skip
+    rows = [r for r in rows if r.kernel != compiled.XLA]  # the kernels alone (XLA around them: model_vs_chip.py)
     import jax
 
     print(f"B,H,S,D,W = {a.shape}; JAX {jax.__version__}; compiled by libtpu, read from its final bundles")

@@ -35,6 +35,9 @@ class Chip:
     hbm_bytes_per_second: float  # whole chip
     # Itemsize in bytes -> row granule of an array's second-to-last dimension. Empty on GPU.
     sublane_tiling: dict[int, int] = dataclasses.field(hash=False)
+    # HBM bytes a second a copy reached on the chip itself (read and written), where we measured it; 0: not
+    # measured, so the compiled-schedule model takes the cited bandwidth
+    hbm_copy_bytes_per_second: float = 0.0
 
     @property
     def device_fraction(self) -> float:
@@ -50,6 +53,11 @@ class Chip:
     def hbm_bytes_per_second_per_device(self) -> float:
         return self.hbm_bytes_per_second * self.device_fraction
 
+    def model_hbm_bytes_per_second_per_device(self) -> float:
+        """The bandwidth a model of this chip should move bytes at: the measured copy rate where there is
+        one, else the cited peak."""
+        return (self.hbm_copy_bytes_per_second or self.hbm_bytes_per_second) * self.device_fraction
+
 
 # Not in JAX's table: the default scoped VMEM limit (the --xla_tpu_scoped_vmem_limit_kib default that
 # jax's CompilerParams.vmem_limit_bytes docstring refers to), as Mosaic's "Scoped allocation ... exceeds
@@ -60,6 +68,9 @@ _TPU_F32_PASSES = 6
 # Cores one JAX device spans: v5p runs as a megacore (its two TensorCores are one device); 7x does not
 # support megacore, so each of its two TensorCores is a device (pltpu.ChipVersion's table).
 _TPU_TARGETS = {"v5e": 1, "v5p": 2, "v6e": 1, "7x": 1}
+# Measured on the chips we have (benchmarks/chip_constants.py, a Pallas copy of 256 MiB; one TPU v5e, JAX
+# 0.10.2, 2026-12-06: benchmarks/results/v5e_constants.json): 75% of the cited 819 GB/s.
+_MEASURED_HBM_COPY = {"v5e": 617.7e9}
 
 # Snapshot of JAX's chip table: for each target, pltpu.get_tpu_info_for_chip(pltpu.ChipVersion[
 # "chip_version"], cores per device), under TpuInfo's own field names; its rates and bandwidth are per
@@ -131,6 +142,7 @@ def _tpu(name: str) -> Chip:
         f32_flops=bf16 / _TPU_F32_PASSES,
         hbm_bytes_per_second=float(info["mem_bw_bytes_per_second"] * cores),
         sublane_tiling=dict(info["sublane_tiling"]),
+        hbm_copy_bytes_per_second=_MEASURED_HBM_COPY.get(name, 0.0),
     )
 
 

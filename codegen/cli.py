@@ -198,6 +198,19 @@ def _rank(args: argparse.Namespace, family: pipeline.Family, chip_names: list[st
     return EXIT_OK
 
 
+def _masks(args: argparse.Namespace) -> tuple[str, ...]:
+    """The masks ``explain --compiled`` costs each call under: ``--masks``, else ``--causal``'s."""
+    if not args.masks:
+        return ("causal" if args.causal else "unmasked",)
+    masks = tuple(args.masks.split(","))
+    unknown = sorted(set(masks) - set(compiled.MASKS))
+    if unknown:
+        raise UsageError(f"--masks: unknown {unknown}; choose from {', '.join(compiled.MASKS)}")
+    if not args.compiled:
+        raise UsageError("--masks needs --compiled (the model takes --causal)")
+    return masks
+
+
 def _explain(args: argparse.Namespace) -> int:
     family = load_family(args.spec, default_out(args.spec))
     if args.rank and not args.compiled:
@@ -215,7 +228,7 @@ def _explain(args: argparse.Namespace) -> int:
             return _rank(args, family, chip_names)
         rows = compiled.explain(
             _family_package(family), chosen, chip_names, args.shape, rate,
-            masks=("causal" if args.causal else "unmasked",), programs=_programs(args.programs), jobs=args.jobs,
+            masks=_masks(args), programs=_programs(args.programs), jobs=args.jobs,
             top_k=args.top_k,
         )  # fmt: skip
         if args.json:
@@ -341,6 +354,11 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--programs", default="fwd,grad", help="with --compiled: of fwd,grad,sparse_fwd,sparse_grad,topk"
+    )
+    p.add_argument(
+        "--masks",
+        help="with --compiled: cost each call under these, of unmasked,causal,masked (every block hidden); "
+        "default: --causal's",
     )
     p.add_argument(
         "--rank",

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
+import re
 import sys
 
 import numpy as np
@@ -62,12 +64,15 @@ class KernelReport:
     step_dma_bytes: int = 0  # and the bytes they move
     call_bytes: int = 0  # HBM bytes of the call: its steps' DMAs (sparse), the plan's model (dense)
     clock_hz: float = 0.0  # the clock at which the calibration matmul runs at the chip's cited peak
-    hbm_bytes_per_second: float = 1.0  # the chip's cited HBM bandwidth, per device
+    hbm_bytes_per_second: float = (
+        1.0  # the chip's HBM bandwidth, per device (measured where we have, else cited)
+    )
 
     @property
     def seconds(self) -> float:
-        """The call's time: the larger of its cycles at ``clock_hz`` and its bytes at the chip's cited
-        HBM bandwidth (DMAs cost almost nothing in bundles, so a gather can be bound by its bytes)."""
+        """The call's time: the larger of its cycles at ``clock_hz`` and its bytes at the chip's HBM
+        bandwidth (``chips.Chip.model_hbm_bytes_per_second_per_device``) (DMAs cost almost nothing in bundles, so a gather can be bound by its bytes).
+        """
         return max(self.cycles / self.clock_hz, self.call_bytes / self.hbm_bytes_per_second)
 
 
@@ -79,7 +84,7 @@ def _timing(
     rate = device.matmul_flops_per_second(plan.mxu_itemsize)
     return dict(
         clock_hz=rate * calibration.body / (2 * calibration_logits * t.shape.head_dim),
-        hbm_bytes_per_second=device.hbm_bytes_per_second_per_device(),
+        hbm_bytes_per_second=device.model_hbm_bytes_per_second_per_device(),
     )
 
 
@@ -165,7 +170,7 @@ class Row:
     chip: str
     program: str
     kernel: str
-    mask: str  # "unmasked" or "causal"
+    mask: str  # of MASKS
     ok: bool
     error: str
     report: KernelReport | None
@@ -225,7 +230,7 @@ def explain(
                     raise schedule.ScheduleError(
                         f"{plan.name} {request.program} on {request.chip}: no schedule of {name}"
                     )
-                bounds = cost.causal_bounds(t.shape, compress_rate) if mask == "causal" else ()
+                bounds = _bounds(t.shape, compress_rate, mask)
                 # the threshold kernel's loops, and a sparse kernel's over a window's spans of slots,
                 # run as many trips as the data say
                 dynamic = kernel == "topk_threshold" or kernel.startswith("sparse")
@@ -252,8 +257,8 @@ def explain(
                 if kernel.startswith("sparse_"):  # one call per window of k
                     report = sparse_report(report, sched, family, path, shape, plan, kernel, top_k, bounds)
                 rows.append(Row(*common, True, "", report))
-        if request.program == "topk" and res.ok:  # the rest of the selection: XLA's own programs
-            chunks = _topk_chunks(family, path, shape, plan)
+        if res.ok:  # XLA's own programs around the kernels (score_topk: the rest of its selection)
+            chunks = _topk_chunks(family, path, shape, plan) if request.program == "topk" else 1
             report, unread = xla_report(
                 res, plan, chunks, t, cal, CALIBRATION_BLOCK[0] * CALIBRATION_BLOCK[1], request.chip
             )
@@ -269,6 +274,19 @@ def explain(
         for res in results:
             tpu_compile.discard(res)
     return rows
+
+
+MASKS = ("unmasked", "causal", "masked")  # what explain costs a call under
+
+
+def _bounds(shape: cost.Shape, compress_rate: int, mask: str) -> tuple:
+    """(kv_start, kv_end) of ``mask`` (``MASKS``): none for unmasked, causal CSA, or every block hidden."""
+    if mask == "causal":
+        return cost.causal_bounds(shape, compress_rate)
+    if mask == "masked":
+        nothing = np.zeros((shape.batch, shape.seq_len), np.int64)
+        return nothing, nothing
+    return ()
 
 
 def _family_topk(family: str, path: str):
@@ -422,34 +440,74 @@ def _every_group(sched: schedule.Schedule, family: str, path: str, shape) -> sch
 XLA = "xla"  # the report of a program's XLA programs, beside its kernels'
 
 
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2,
+                "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}  # fmt: skip
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%([\w.\-]+) = (.+?) ([\w\-]+)\((.*?)\)(?:, |$)")
+
+
+def _array_bytes(text: str) -> int:
+    """Bytes of every array type written in ``text`` (a tuple's elements summed), untiled."""
+    return sum(
+        math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES.get(dtype, 4)
+        for dtype, dims in _ARRAY.findall(text)
+        if dtype in _DTYPE_BYTES
+    )
+
+
+def hbm_bytes(hlo: str) -> dict[str, int]:
+    """Per HLO instruction of the optimised program text: the bytes it reads and writes if its operands
+    and result all live in HBM (its result's and its operands' arrays), for XLA's own programs, which
+    are costed as the larger of their cycles and these bytes at the chip's HBM bandwidth."""
+    types: dict[str, str] = {}
+    instructions = []
+    for line in hlo.splitlines():
+        m = _INSTRUCTION.match(line)
+        if m:
+            name, result, _, operands = m.groups()
+            types[name] = result
+            instructions.append((name, result, re.findall(r"%([\w.\-]+)", operands)))
+    return {
+        name: _array_bytes(result) + sum(_array_bytes(types.get(o, "")) for o in operands)
+        for name, result, operands in instructions
+    }
+
+
 def xla_report(
     result: tpu_compile.Result, plan: VariantPlan, trips: int, t: cost.Tiling, calibration: schedule.Schedule,
     calibration_logits: int, chip: str,
 ) -> tuple[KernelReport, list[str]]:  # fmt: skip
     """What XLA's own programs of a compiled program cost (every program the dump holds but the variant's
-    Pallas kernels): each program's cycles (``schedule.program_cycles``), ``trips`` times for one inside
-    the while loop (``score_topk``'s scan over its query chunks), once otherwise; the chip's delay slots
-    read from the variant's forward kernel in the same dump. Returns the report and
-    the programs whose loop trips could not be read (counted once: a lower bound)."""
-    inside = loop_bodies(result.hlo())
+    Pallas kernels): each program the larger of its cycles (``schedule.program_cycles``) and its HBM
+    bytes (``hbm_bytes``: a layout copy of q is a few bundles a trip of a loop the dump does not bound,
+    and 256 MiB moved at S 8192) at the chip's HBM bandwidth, ``trips`` times for one inside the while
+    loop (``score_topk``'s scan over its query chunks), once otherwise; the chip's delay slots read from
+    the variant's forward kernel in the same dump. Returns the report (its cycles: the programs' time at
+    the report's clock) and the programs whose loop trips could not be read (counted once)."""
+    hlo = result.hlo()
+    inside, moved = loop_bodies(hlo), hbm_bytes(hlo)
+    timing = _timing(plan, t, calibration, calibration_logits, chip)
+    cycles_per_byte = timing["clock_hz"] / timing["hbm_bytes_per_second"]
     delay = schedule.parse(*result.kernels()[f"{plan.name}_forward"]).delay_slots  # the chip's
-    cycles = per_trip = bundles = 0
+    cycles = per_trip = bundles = call_bytes = 0
     unread = []
     for name, files in result.programs().items():
         if name.startswith(f"{plan.name}_"):  # a Pallas kernel of the variant: reported on its own
             continue
         c, size, read = schedule.program_cycles(*files, delay)
+        c = max(c, int(moved.get(name, 0) * cycles_per_byte))
         bundles += size
         if not read:
             unread.append(name)
-        cycles += c * (trips if name in inside else 1)
+        times = trips if name in inside else 1
+        cycles += c * times
+        call_bytes += moved.get(name, 0) * times
         per_trip += c if name in inside else 0
     logits = t.shape.batch * t.shape.num_heads * t.shape.seq_len * t.shape.num_blocks
     report = KernelReport(
         kernel=XLA, bundles=bundles, straight_line=bundles, executed=per_trip, paths={}, occupancy={},
         spill_stores=0, loops=(), steps=trips, cycles=cycles,
-        calibration_cycles=calibration.body * logits // calibration_logits,
-        **_timing(plan, t, calibration, calibration_logits, chip),
+        calibration_cycles=calibration.body * logits // calibration_logits, call_bytes=call_bytes, **timing,
     )  # fmt: skip
     return report, unread
 
@@ -462,9 +520,10 @@ def table(rows: list[Row], shape) -> str:
         "a bundle per cycle, DMAs overlapped, no stalls; step bundles at a step inside the reduction; "
         "DMAs and KiB: the HBM DMAs one step issues (full path); GB: the call's HBM bytes (sparse: its "
         "DMAs; dense: the plan's model); us: the larger of Mcycles at the clock where the calibration "
-        "matmul runs at the chip's cited peak, and GB at its cited HBM bandwidth; xla: XLA's own programs "
-        "around the kernels (score_topk's selection), each read from its bundles with its loops' trips, once "
-        "per chunk inside the chunk loop; step: straight is their bundles, executed their cycles a chunk"
+        "matmul runs at the chip's cited peak, and GB at its HBM bandwidth (a copy's, measured, on v5e; else the cited); xla: XLA's own programs "
+        "around the kernels (the operands' layout and bounds; score_topk's selection), each the larger of its "
+        "bundles with its loops' trips and its operands' and result's bytes at the HBM bandwidth, once per chunk "
+        "inside score_topk's chunk loop; step: straight is their bundles, executed their cycles a chunk"
     )
     columns = ["variant", "chip", "kernel", "mask", "step: straight", "executed", "empty", "full", "partial",
                "MXU", "XLU", "VALU", "spills", "loops x trips", "DMAs", "KiB", "Mcycles", "x matmul", "GB",

@@ -103,6 +103,20 @@ class BlockKinds:
     partial: int  # work, and a mask built and applied
     tiles_with_work: int
     tiles: int
+    q_blocks_with_work: int = 0  # (batch, q block) with some work; their count: by the tiles', if not given
+    q_blocks: int = 0
+    w_tiles_with_work: int = 0  # (batch, w tile) with some work
+    w_tiles: int = 0
+
+    def by_ratio(self, axis: str) -> float:
+        """The share of q blocks (``axis`` i) or w tiles (j) with work: their blocks alone are fetched
+        (``_operands.park``); 1 where the counts were not given."""
+        done, of = (
+            (self.q_blocks_with_work, self.q_blocks)
+            if axis == "i"
+            else (self.w_tiles_with_work, self.w_tiles)
+        )
+        return done / of if of else 1.0
 
     @property
     def work(self) -> int:
@@ -148,12 +162,17 @@ def block_kinds(t: Tiling, kv_start, kv_end) -> BlockKinds:
     empty, full = kinds == 0, kinds == 1
     # A w tile has work iff one of its compute blocks has: its DMAs are the ones the index maps keep.
     tile_work = ~empty.reshape(empty.shape[0], -1, t.block_w // t.compute_w).all(axis=2)
+    per_batch = tile_work.reshape(t.shape.batch, -1, tile_work.shape[1])  # [B, q blocks, w tiles]
     return BlockKinds(
         empty=int(empty.sum()),
         full=int(full.sum()),
         partial=int((~empty & ~full).sum()),
         tiles_with_work=int(tile_work.sum()),
         tiles=int(tile_work.size),
+        q_blocks_with_work=int(per_batch.any(axis=2).sum()),
+        q_blocks=per_batch.shape[0] * per_batch.shape[1],
+        w_tiles_with_work=int(per_batch.any(axis=1).sum()),
+        w_tiles=per_batch.shape[0] * per_batch.shape[2],
     )
 
 
@@ -270,7 +289,12 @@ def kernel_cost(
     # A skipped tile's DMAs are those of the operands whose blocks hold still on it.
     skipped = kernel.skipped_operands()
     moved = {n: b * kinds.tiles_with_work // kinds.tiles if n in skipped else b for n, b in moved.items()}
-    finished = p.batch * t.seq_pad * p.num_heads * p.head_dim  # (head, query, d) of q, every q block's last step
+    # A q block (w tile) with no work at all parks its own blocks on block 0's: fetched once, not again.
+    parked = kernel.parked_operands()
+    moved = {n: int(b * kinds.by_ratio(kernel.skip.by)) if n in parked else b for n, b in moved.items()}
+    finished = (
+        p.batch * t.seq_pad * p.num_heads * p.head_dim
+    )  # (head, query, d) of q, every q block's last step
     return KernelCost(
         kernel=kernel.name,
         grid=grid,
@@ -283,7 +307,9 @@ def kernel_cost(
         mxu_flops=2 * entries * p.head_dim * work.mxu_passes
         + finished * t.heads * work.finish_mxu_per_head
         + p.batch * t.blocks_pad * p.head_dim * work.finish_mxu_per_key,
-        vpu_ops=entries * work.vpu_ops + masks_built * pair_entries * work.mask_ops + finished * work.finish_vpu_ops,
+        vpu_ops=entries * work.vpu_ops
+        + masks_built * pair_entries * work.mask_ops
+        + finished * work.finish_vpu_ops,
         useful_flops=useful_entries * (2 * p.head_dim * work.useful_passes + work.vpu_ops),
         mxu_itemsize=plan.mxu_itemsize,
     )

@@ -144,6 +144,12 @@ class KernelPlan:
         still = {self.skip.axis, *self.skip.hold}
         return tuple(b.name for b in self.inputs if still & set(b.follows))
 
+    def parked_operands(self) -> tuple[str, ...]:
+        """Inputs fetched only for a q block (w tile) with some work: they follow the axis the skip is
+        decided by, and not a skipped one (a block with none names block 0's: ``_operands.park``)."""
+        skipped = self.skipped_operands()
+        return tuple(b.name for b in self.inputs if self.skip.by in b.follows and b.name not in skipped)
+
 
 @dataclasses.dataclass(frozen=True)
 class VariantPlan:

@@ -259,6 +259,22 @@ def test_loop_bodies_are_read_from_the_hlo():
     assert grid_steps.loop_bodies(SYNTHETIC_HLO) == {"arg", "fusion.7", "tuple.1"}
 
 
+def test_xla_programs_are_costed_by_the_bytes_they_move():
+    """An XLA program reads its operands and writes its result: a layout copy of bf16 [8192, 8192] moves
+    256 MiB however few bundles a trip of its loop issues (a tuple's elements add up)."""
+    hlo = (
+        "ENTRY %main () -> bf16[1,8192,8192] {\n"
+        "  %q = bf16[1,8192,64,128]{3,2,1,0:T(8,128)(2,1)} parameter(0)\n"
+        "  %copy.3 = bf16[1,8192,8192]{2,1,0:T(8,128)(2,1)} copy(%q), metadata={op_name=\"reshape\"}\n"
+        "  ROOT %fusion = (f32[4]{0}, s32[2]{0}) fusion(%copy.3, %q), kind=kLoop, calls=%f\n"
+        "}\n"
+    )
+    moved = compiled.hbm_bytes(hlo)
+    q = 8192 * 8192 * 2
+    assert moved["q"] == q and moved["copy.3"] == 2 * q
+    assert moved["fusion"] == 4 * 4 + 2 * 4 + 2 * q
+
+
 def test_a_loop_the_kernel_bounds_itself_takes_the_trips_the_caller_gives(tmp_path):
     # the synthetic kernel's inner loop bounded by a register: DYNAMIC when asked for, else an error
     unbounded = SYNTHETIC_BUNDLES.replace("%s6_s5, 1024 /* loop exit test */", "%s6_s5, %s7_s7")

@@ -118,8 +118,9 @@ def test_explain_json_and_causal(capsys):
     # (positions 256i .. 256i + 255) sees blocks [0, 64i + 64) at most and [0, 64i) in every query, so
     # compute block c has work while 512c < 64i + 64 and is full while 512(c + 1) <= 64i: over i < 32,
     # 80 of the 128 blocks have work (0.625), 48 full, 32 partial, 48 empty; the one tile of each q
-    # block has work (block 0): 32 of 32.
-    blocks = {"empty": 48, "full": 48, "partial": 32, "tiles_with_work": 32, "tiles": 32}
+    # block has work (block 0): 32 of 32; so has every q block, and the one w tile.
+    blocks = {"empty": 48, "full": 48, "partial": 32, "tiles_with_work": 32, "tiles": 32, "q_blocks": 32,
+              "q_blocks_with_work": 32, "w_tiles": 1, "w_tiles_with_work": 1}  # fmt: skip
     # dq/dweights finishes once per q block and head chunk, mask or not: on B*S*H*D entries, the one-hot
     # broadcast of a chunk's 16 heads' weights (2 * 16 MXU FLOPs each) and 4 elementwise operations.
     entries = 8192 * 64 * 128

@@ -71,7 +71,7 @@ def test_a_ranking_compiles_the_scratch_candidates_as_the_committed_variant_comp
     rows = compiled.explain(
         "generated.csa_v4", [family().plan(variant)], ["v5e"], shape, 4, masks=("causal",)
     )
-    committed = {r.kernel: r.report.cycles for r in rows if r.ok}
+    committed = {r.kernel: r.report.cycles for r in rows if r.ok and r.kernel != compiled.XLA}
     assert next(r for r in ranked if r.variant == variant).cycles == committed
     text = tuning.table(ranked, found, fam, variant, shape, "causal")
     assert (
