@@ -47,8 +47,9 @@ def test_templates_load_from_the_package_not_the_working_directory(tmp_path, mon
 # rendered per variant again would cost ~300 lines a variant and break this. (8360 lines with score_topk;
 # 8883 with dq/dweights' last-step finish, whose head accessors each dense module carries; 9359 with k
 # in windows past VMEM, each window's spans of slots and several dk accumulators, in each of the four
-# sparse modules; 9536 with the shipped runtime split into modules by concern, a header and imports each.)
-GENERATED_LINES_CAP = 9600
+# sparse modules; 9536 with the shipped runtime split into modules by concern, a header and imports each;
+# 9611 with the compute blocks as a loop and reads parked where a q block has no work.)
+GENERATED_LINES_CAP = 9650
 
 
 def test_generated_code_stays_written_once():
