@@ -103,9 +103,11 @@ class BlockKinds:
     partial: int  # work, and a mask built and applied
     tiles_with_work: int
     tiles: int
-    q_blocks_with_work: int = 0  # (batch, q block) with some work; their count: by the tiles', if not given
+    # (batch, q block) and (batch, w tile) pairs with some work, and of all; 0 where not counted (every
+    # one has work: ``unmasked_kinds``)
+    q_blocks_with_work: int = 0
     q_blocks: int = 0
-    w_tiles_with_work: int = 0  # (batch, w tile) with some work
+    w_tiles_with_work: int = 0
     w_tiles: int = 0
 
     def by_ratio(self, axis: str) -> float:
@@ -292,9 +294,8 @@ def kernel_cost(
     # A q block (w tile) with no work at all parks its own blocks on block 0's: fetched once, not again.
     parked = kernel.parked_operands()
     moved = {n: int(b * kinds.by_ratio(kernel.skip.by)) if n in parked else b for n, b in moved.items()}
-    finished = (
-        p.batch * t.seq_pad * p.num_heads * p.head_dim
-    )  # (head, query, d) of q, every q block's last step
+    # (head, query, d) of q, every q block's last step
+    finished = p.batch * t.seq_pad * p.num_heads * p.head_dim
     return KernelCost(
         kernel=kernel.name,
         grid=grid,

@@ -174,6 +174,17 @@ def test_block_fetches_matches_brute_force(grid):
             assert geometry.block_fetches(grid, axes) == expected, (grid, axes)
 
 
+def _block_indices(block_mapping, grid, prefetch) -> list[tuple[int, ...]]:
+    """The block index a generated pallas_call's own index map names at every step of ``grid``, in order.
+    The index map reads the scalar-prefetch refs: discharged, it takes and returns arrays."""
+    index_map = discharge_state(block_mapping.index_map_jaxpr)
+    rank = len(block_mapping.index_map_jaxpr.jaxpr.outvars)
+    evaluate = jax.jit(lambda *args: jax.core.eval_jaxpr(index_map.jaxpr, index_map.consts, *args)[:rank])
+    return [
+        tuple(int(v) for v in evaluate(*point, *prefetch)) for point in itertools.product(*map(range, grid))
+    ]
+
+
 @pytest.mark.parametrize(
     "name", ["tpu_hm_bf16_q16_w128_hc16", "tpu_sm_f32_q16_w128_hcall", "tpu_sm_fp8_q256_w2048c512_hc16"]
 )
@@ -200,16 +211,7 @@ def test_fetches_match_a_walk_of_the_real_index_maps(name):
         prefetch = [getattr(x.ranges, n) for n in kernel.scalar_prefetch]
         assert tuple(mapping.grid) == model.grid, kernel.name
         for block, bm in zip(kernel.blocks, mapping.block_mappings):
-            # The index map reads the scalar-prefetch refs: discharged, it takes and returns arrays.
-            index_map = discharge_state(bm.index_map_jaxpr)
-            rank = len(bm.index_map_jaxpr.jaxpr.outvars)
-            evaluate = jax.jit(
-                lambda *args: jax.core.eval_jaxpr(index_map.jaxpr, index_map.consts, *args)[:rank]
-            )
-            indices = [
-                tuple(int(v) for v in evaluate(*point, *prefetch))
-                for point in itertools.product(*map(range, model.grid))
-            ]
+            indices = _block_indices(bm, model.grid, prefetch)
             fetches = 1 + sum(a != b for a, b in zip(indices, indices[1:]))
             assert fetches == model.fetches[block.name], (kernel.name, block.name)
             walked += 1
@@ -368,13 +370,7 @@ def test_blocks_with_no_work_park_their_reads():
         for block, bm in zip(kernel.blocks, eqn.params["grid_mapping"].block_mappings):
             if block.name not in kernel.parked_operands():
                 continue
-            index_map = discharge_state(bm.index_map_jaxpr)
-            rank = len(bm.index_map_jaxpr.jaxpr.outvars)
-            evaluate = jax.jit(lambda *a: jax.core.eval_jaxpr(index_map.jaxpr, index_map.consts, *a)[:rank])
-            indices = {
-                tuple(int(v) for v in evaluate(*point, *prefetch))
-                for point in itertools.product(*map(range, model.grid))
-            }
+            indices = set(_block_indices(bm, model.grid, prefetch))
             assert len({index[1:] for index in indices}) == 1, (kernel.name, block.name, sorted(indices)[:4])
             assert model.hbm_bytes_by_operand[block.name] == 0, (kernel.name, block.name)
             parked_seen += 1
