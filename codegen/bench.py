@@ -34,6 +34,9 @@ VARIANT_CASES = (
 # Once per shape (``stacked`` always: the ratios are read against it), and the calibration once a run.
 PEER_CASES = ("stacked", "xla", "xla.grad", "xla_sparse", "xla_sparse.grad", "matmul")
 CASES = VARIANT_CASES + PEER_CASES
+# ``--rank``: each candidate tiling's causal forward and forward + gradient; ranked by the second.
+RANK_CASES = ("stacked", "score.causal", "grad.causal")
+RANK_BY = "grad.causal"
 # score_topk's first call at S 32768 compiles for minutes today (its selection's loops): by default it
 # is timed only up to this S, so that a default run takes minutes; naming ``topk`` in --cases times it.
 TOPK_DEFAULT_MAX_SEQ = 8192
@@ -117,25 +120,35 @@ def does_not_fit(err: Exception) -> bool:
     return any(s in str(err) for s in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "Ran out of"))
 
 
-class Problem:
-    """One shape's inputs in one q layout, made on the chip, and the pair counts of nominal work."""
+# The inputs the peers take: bfloat16, sequence-major (the stacked forward's layout).
+PEER_INPUTS = {"q_layout": "seq_major", "q_dtype": "bfloat16", "k_dtype": "bfloat16",
+               "weights_dtype": "bfloat16", "out_dtype": "bfloat16", "k_scale": False}  # fmt: skip
+INPUT_KEYS = tuple(PEER_INPUTS)
 
-    def __init__(self, package, shape: tuple[int, ...], q_layout: str):
+
+class Problem:
+    """One shape's inputs in one q layout and dtype set (``inputs``: a variant's, or ``PEER_INPUTS``),
+    made on the chip, and the pair counts of nominal work."""
+
+    def __init__(self, package, shape: tuple[int, ...], inputs: dict):
         import jax
         import jax.numpy as jnp
 
         batch, heads, seq_len, head_dim, num_blocks, top_k = shape
         self.shape, self.top_k = shape, top_k
-        kq, kk, kw, kg = jax.random.split(jax.random.key(0), 4)
+        kq, kk, kw, kg, ks = jax.random.split(jax.random.key(0), 5)
         dims = (
             (batch, seq_len, heads, head_dim)
-            if q_layout == "seq_major"
+            if inputs["q_layout"] == "seq_major"
             else (batch, heads, seq_len, head_dim)
         )
-        self.q = jax.random.normal(kq, dims, jnp.bfloat16)
-        self.k = jax.random.normal(kk, (batch, num_blocks, head_dim), jnp.bfloat16)
-        self.weights = jax.random.normal(kw, (batch, seq_len, heads), jnp.bfloat16)
-        self.cotangent = jax.random.normal(kg, (batch, seq_len, num_blocks), jnp.bfloat16)
+        self.q = jax.random.normal(kq, dims, jnp.float32).astype(inputs["q_dtype"])
+        self.k = jax.random.normal(kk, (batch, num_blocks, head_dim), jnp.float32).astype(inputs["k_dtype"])
+        self.weights = jax.random.normal(kw, (batch, seq_len, heads), jnp.float32).astype(inputs["weights_dtype"])
+        self.k_scale = (
+            jax.random.uniform(ks, (batch, num_blocks), jnp.float32, 0.5, 2.0) if inputs["k_scale"] else None
+        )
+        self.cotangent = jax.random.normal(kg, (batch, seq_len, num_blocks), jnp.float32).astype(inputs["out_dtype"])
         start, end = (
             np.broadcast_to(np.asarray(x), (batch, seq_len))
             for x in package.causal_kv_range(np.arange(seq_len))
@@ -299,15 +312,19 @@ class Bench:
         if "matmul" in self.cases:
             self.calibrate()
         for shape in shapes:
-            problems: dict[str, Problem] = {}
+            problems: dict[tuple, Problem] = {}
+
+            def problem(inputs: dict) -> Problem:  # one set of inputs per layout and dtypes
+                key = tuple(inputs[k] for k in INPUT_KEYS)
+                if key not in problems:
+                    problems[key] = Problem(self.package, shape, inputs)
+                return problems[key]
+
+            peer = problem(PEER_INPUTS)
+            self.peers(shape, peer)
             for name, module in self.production:
-                layout = module.VARIANT["q_layout"]
-                problems.setdefault(layout, Problem(self.package, shape, layout))
-            sm = problems.get("seq_major") or Problem(self.package, shape, "seq_major")
-            self.peers(shape, sm)
-            for name, module in self.production:
-                self.variant(shape, name, module, problems[module.VARIANT["q_layout"]])
-            self.sparse_peers(shape, sm)
+                self.variant(shape, name, module, problem(module.VARIANT))
+            self.sparse_peers(shape, peer)
         self.compile()
         for case in self.planned:
             self.time(case) if isinstance(case, Case) else self.record(case)
@@ -362,8 +379,8 @@ class Bench:
         import jax
         import jax.numpy as jnp
 
-        top_k, cases, args = p.top_k, self.cases, (p.q, p.k, p.weights)
-        score = lambda q, k, w, s, e: module.score(q, k, w, kv_start=s, kv_end=e)
+        top_k, cases, args, k_scale = p.top_k, self.cases, (p.q, p.k, p.weights), p.k_scale
+        score = lambda q, k, w, s, e: module.score(q, k, w, kv_start=s, kv_end=e, k_scale=k_scale)
         causal = p.bounds["causal"]
         forward, gradient = jax.jit(score), jax.jit(with_gradient(score))  # one program for every mask
         for mask in ("unmasked", "causal", "masked", *(f"band{f}" for f in BAND_FRACTIONS)):
@@ -378,7 +395,7 @@ class Bench:
         selection = p.flops(p.pairs["causal"])
         if "topk" in cases and (shape[2] <= TOPK_DEFAULT_MAX_SEQ or "topk" in self.asked):
             self.add(shape, "topk", f"{name} score_topk",
-                     lambda q, k, w, s, e: module.score_topk(q, k, w, top_k, kv_start=s, kv_end=e),
+                     lambda q, k, w, s, e: module.score_topk(q, k, w, top_k, kv_start=s, kv_end=e, k_scale=k_scale),
                      (*args, *causal), selection)  # fmt: skip
         elif "topk" in cases:
             note = f"not run: by default only up to S {TOPK_DEFAULT_MAX_SEQ} (it compiles for minutes); --cases topk"
@@ -394,7 +411,7 @@ class Bench:
         if "loss.dense" in cases:
             dense_target = jnp.full(p.cotangent.shape, 1.0 / shape[4], jnp.float32)
             loss = lambda q, k, w, s, e: jax.value_and_grad(
-                lambda q, k, w: module.indexer_loss(q, k, w, dense_target, kv_start=s, kv_end=e),
+                lambda q, k, w: module.indexer_loss(q, k, w, dense_target, kv_start=s, kv_end=e, k_scale=k_scale),
                 argnums=(0, 1, 2),
             )(q, k, w)
             self.add(
@@ -410,7 +427,7 @@ class Bench:
         # Each query's top_k of its causal scores, as the indexer selects them: made by this variant's
         # forward when the first sparse case runs (the layouts' scores are the same function).
         p.selection = p.selection or (lambda: forward(*args, *causal))
-        sparse = lambda q, k, w, i: module.sparse_score(q, k, w, i)
+        sparse = lambda q, k, w, i: module.sparse_score(q, k, w, i, k_scale=k_scale)
         with_indices = lambda *lead: (lambda: (*lead, p.indices))
         abstract = p.abstract_indices
         if "sparse" in cases:
@@ -423,10 +440,35 @@ class Bench:
         if "loss.sparse" in cases:
             sparse_target = jnp.full(p.selection_shape, 1.0 / top_k, jnp.float32)
             loss = lambda q, k, w, i: jax.value_and_grad(
-                lambda q, k, w: module.indexer_loss(q, k, w, sparse_target, indices=i), argnums=(0, 1, 2)
+                lambda q, k, w: module.indexer_loss(q, k, w, sparse_target, indices=i, k_scale=k_scale), argnums=(0, 1, 2)
             )(q, k, w)
             self.add(shape, "loss.sparse", f"{name} indexer_loss", loss, with_indices(*args),
                      lambda: p.flops(p.selected, 5), (*args, abstract))  # fmt: skip
+
+
+def ranking(saved: dict, variant: str, tilings: dict[str, tuple[int, int, int]]) -> str:
+    """A ``--rank`` run's candidates (``tilings``: name -> block_q, block_w, compute_w), fastest
+    ``RANK_BY`` first, as markdown; a candidate with no time (it failed, or did not fit) last."""
+    by = {}
+    for r in saved["results"]:
+        if r["subject"] in tilings:
+            by.setdefault(r["subject"], {})[r["case"]] = r["ms"]
+    order = sorted(tilings, key=lambda n: (by.get(n, {}).get(RANK_BY) is None, by.get(n, {}).get(RANK_BY) or 0))
+    best = next((by[n][RANK_BY] for n in order if by.get(n, {}).get(RANK_BY)), None)
+    lines = [
+        f"{variant}'s tilings ranked on the chip by {RANK_BY} (ms, median; {saved.get('chip', '?')}, "
+        f"JAX {saved.get('jax', '?')})",
+        "",
+        "| rank | variant | block_q x block_w / compute_w | " + " | ".join(c for c in RANK_CASES[1:]) + " | x best |",
+        "|---|---|---|" + "---:|" * len(RANK_CASES),
+    ]
+    for n, name in enumerate(order, 1):
+        times = by.get(name, {})
+        cells = [f"{times[c]:.3f}" if times.get(c) else "-" for c in RANK_CASES[1:]]
+        ratio = f"{times[RANK_BY] / best:.2f}" if times.get(RANK_BY) and best else "-"
+        q, w, c = tilings[name]
+        lines.append(f"| {n} | {name} | {q} x {w} / {c} | " + " | ".join(cells) + f" | {ratio} |")
+    return "\n".join(lines) + "\n"
 
 
 def environment() -> dict:

@@ -423,6 +423,13 @@ def parser() -> argparse.ArgumentParser:
         "spec", metavar="SPEC", nargs="?", default="specs/csa_v4.yaml", help="default specs/csa_v4.yaml"
     )
     p.add_argument("--cases", help="comma-separated, of " + ", ".join(_bench_cases()) + " (default: all)")
+    p.add_argument("--variants", help="comma-separated variants to time instead of the spec's production ones")
+    p.add_argument(
+        "--rank",
+        metavar="VARIANT",
+        help="time VARIANT with each of the spec's tuning.chip tilings (its own head chunk; cases default "
+        "score.causal,grad.causal at the first default shape) and rank them by causal forward + gradient",
+    )
     p.add_argument("--shape", type=_shape, metavar="B,H,S,D,W", help="one shape instead of the two defaults")
     p.add_argument("--top-k", type=int, default=512, help="with --shape: the selection's top_k (default 512)")
     p.add_argument("--calls", type=int, default=10, help="timed calls per case, after a warm-up (default 10)")
@@ -464,38 +471,67 @@ def _bench(args: argparse.Namespace) -> int:
         print(bench.report(saved), end="")
         return EXIT_OK
     family = load_family(args.spec, default_out(args.spec))
-    if not family.spec.production:
-        raise UsageError(f"{args.spec} names no production variants (its `production` list) to bench")
     asked = set(args.cases.split(",")) if args.cases else set()
     unknown = sorted(asked - set(bench.CASES))
     if unknown:
         raise UsageError(f"unknown cases {unknown}: choose from {', '.join(bench.CASES)}")
+    if args.rank and args.variants:
+        raise UsageError("--rank times one variant's tilings; --variants names variants: give one of them")
+    if args.rank:
+        if args.rank not in {p.name for p in family.plans}:
+            raise UsageError(f"--rank {args.rank}: the spec emits no such variant")
+        if not (family.spec.tuning and family.spec.tuning.chip):
+            raise UsageError(f"--rank: {args.spec} names no tilings to time on the chip (its tuning.chip list)")
+    names = args.variants.split(",") if args.variants else family.spec.production
+    missing = sorted(set(names) - set({p.name for p in family.plans}))
+    if missing:
+        raise UsageError(f"--variants: the spec emits no {missing}")
+    if not names and not args.rank:
+        raise UsageError(f"{args.spec} names no production variants (its `production` list) to bench")
     backend = bench.backend_quietly()
     if backend != "tpu":
         print(f"codegen bench: no TPU here (JAX's default backend is {backend}); it measures on a TPU only")
         return EXIT_ERROR
     import importlib
+    import tempfile
 
-    package = importlib.import_module(_family_package(family))
-    production = [(name, package.VARIANTS[name]) for name in family.spec.production]
-    shapes = [(*args.shape, args.top_k)] if args.shape else list(bench.SHAPES)
-    run = bench.Bench(package, production, asked or set(bench.CASES), args.calls, asked)
-    saved = {
-        **bench.environment(),
-        "command": " ".join(["codegen", "bench", *_without_outputs(args.argv)]),
-        "calls": args.calls,
-        "results": [],
-    }
+    with tempfile.TemporaryDirectory(prefix="codegen-bench-rank-") as root:
+        if args.rank:  # the candidates rendered to a scratch package, as explain --rank renders them
+            candidates, found = tuning.candidates(family, args.rank, on_chip=True)
+            for c in found:
+                if c.error:
+                    print(f"not a candidate: {c.tiling} with head_chunk {c.head_chunk}: {c.error}")
+            if candidates is None:
+                raise UsageError(f"--rank {args.rank}: none of tuning.chip's tilings is legal for it")
+            sys.path.insert(0, root)
+            package = importlib.import_module(tuning.render_to(candidates, root))
+            names = [plan.name for plan in candidates.plans]
+            asked = asked or set(bench.RANK_CASES)
+        else:
+            package = importlib.import_module(_family_package(family))
+        production = [(name, package.VARIANTS[name]) for name in names]
+        shapes = [(*args.shape, args.top_k)] if args.shape else list(bench.SHAPES[:1] if args.rank else bench.SHAPES)
+        run = bench.Bench(package, production, asked or set(bench.CASES), args.calls, asked)
+        saved = {
+            **bench.environment(),
+            "command": " ".join(["codegen", "bench", *_without_outputs(args.argv)]),
+            "calls": args.calls,
+            "results": [],
+        }
 
-    def keep(results):  # the file is whole after every case, so a run cut short keeps what it measured
-        saved["results"] = [dataclasses.asdict(r) for r in results]
-        if args.json:
-            pathlib.Path(args.json).write_text(json.dumps(saved, indent=1) + "\n")
+        def keep(results):  # the file is whole after every case, so a run cut short keeps what it measured
+            saved["results"] = [dataclasses.asdict(r) for r in results]
+            if args.json:
+                pathlib.Path(args.json).write_text(json.dumps(saved, indent=1) + "\n")
 
-    run.on_result = keep
-    run.run(shapes)
+        run.on_result = keep
+        run.run(shapes)
     print()
     print(bench.report(saved), end="")
+    if args.rank:
+        tilings = {plan.name: family.spec.tilings[plan.variant.tiling] for plan in candidates.plans}
+        print()
+        print(bench.ranking(saved, args.rank, {n: (t.block_q, t.block_w, t.compute_width) for n, t in tilings.items()}))
     return EXIT_OK
 
 

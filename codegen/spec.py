@@ -220,6 +220,12 @@ class Tuning(StrictModel):
 
     tilings: list[Name] = Field(min_length=1)
     head_chunk: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
+    chip: list[Name] = Field(
+        default_factory=list,
+        max_length=8,
+        description="the tilings `codegen bench --rank VARIANT` times on a TPU, each with VARIANT's own head "
+        "chunk: at most 8, so that a ranking on the chip takes minutes",
+    )
 
 
 Target = Literal["v5e", "v5p", "v6e", "7x", "h100", "h200"]

@@ -39,13 +39,19 @@ def _spec_for(family: pipeline.Family, choices: list[dict]):
     )
 
 
-def candidates(family: pipeline.Family, variant: str) -> tuple[pipeline.Family | None, list[Candidate]]:
+def candidates(
+    family: pipeline.Family, variant: str, on_chip: bool = False
+) -> tuple[pipeline.Family | None, list[Candidate]]:
     """The tuning family of ``variant`` (None if no candidate is legal) and every candidate, with why
-    each illegal one is not."""
+    each illegal one is not. ``on_chip``: those ``codegen bench --rank`` times, the spec's ``tuning.chip``
+    tilings with the variant's own head chunk (at most 8), not the compiler's whole matrix."""
     base = family.plan(variant).variant.choice()
     tuning = family.spec.tuning
-    tilings = tuning.tilings if tuning else sorted(family.spec.tilings)
-    chunks = tuning.head_chunk if tuning else family.spec.variants.matrix.head_chunk
+    if on_chip:
+        tilings, chunks = (tuning.chip if tuning else []), [base["head_chunk"]]
+    else:
+        tilings = tuning.tilings if tuning else sorted(family.spec.tilings)
+        chunks = tuning.head_chunk if tuning else family.spec.variants.matrix.head_chunk
     legal, found = [], []
     for tiling in tilings:
         for chunk in chunks:

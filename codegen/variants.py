@@ -156,11 +156,12 @@ def expand(spec: FamilySpec, source: str = "<spec>") -> list[Variant]:
             )
         variants[variant.name] = variant
 
-    for index, name in enumerate(spec.tuning.tilings if spec.tuning else ()):
-        if name not in spec.tilings:
-            problems.append(
-                Problem(f"tuning.tilings[{index}]", name, f"no such tiling; defined: {sorted(spec.tilings)}")
-            )
+    for field in ("tilings", "chip"):
+        for index, name in enumerate(getattr(spec.tuning, field) if spec.tuning else ()):
+            if name not in spec.tilings:
+                problems.append(
+                    Problem(f"tuning.{field}[{index}]", name, f"no such tiling; defined: {sorted(spec.tilings)}")
+                )
 
     if problems:
         raise SpecError(source, problems)
