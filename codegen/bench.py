@@ -37,9 +37,6 @@ CASES = VARIANT_CASES + PEER_CASES
 # ``--rank``: each candidate tiling's causal forward and forward + gradient; ranked by the second.
 RANK_CASES = ("stacked", "score.causal", "grad.causal")
 RANK_BY = "grad.causal"
-# score_topk's first call at S 32768 compiles for minutes today (its selection's loops): by default it
-# is timed only up to this S, so that a default run takes minutes; naming ``topk`` in --cases times it.
-TOPK_DEFAULT_MAX_SEQ = 8192
 MATMUL_N = 8192
 BAND_FRACTIONS = (8, 4, 2)  # score.bandF: every row sees 1/F of the blocks (band_bounds)
 APPROX_RECALL = 0.95  # lax.approx_max_k's recall target
@@ -393,13 +390,10 @@ class Bench:
                 self.add(shape, f"grad.{mask}", name, gradient, (*args, p.cotangent, *p.bounds[mask]),
                          p.flops(p.pairs[mask], 5))  # fmt: skip
         selection = p.flops(p.pairs["causal"])
-        if "topk" in cases and (shape[2] <= TOPK_DEFAULT_MAX_SEQ or "topk" in self.asked):
+        if "topk" in cases:
             self.add(shape, "topk", f"{name} score_topk",
                      lambda q, k, w, s, e: module.score_topk(q, k, w, top_k, kv_start=s, kv_end=e, k_scale=k_scale),
                      (*args, *causal), selection)  # fmt: skip
-        elif "topk" in cases:
-            note = f"not run: by default only up to S {TOPK_DEFAULT_MAX_SEQ} (it compiles for minutes); --cases topk"
-            self.planned.append(Result(shape, "topk", f"{name} score_topk", note=note))
         if "topk.lax" in cases:
             self.add(shape, "topk.lax", f"{name} score + lax.top_k",
                      lambda *a: jax.lax.top_k(score(*a), top_k), (*args, *causal), selection)  # fmt: skip

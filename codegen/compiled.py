@@ -217,6 +217,9 @@ def explain(
             if not (request.program.endswith("grad") and request.program.replace("grad", "fwd") in programs
                     and k.endswith("forward"))
         ]  # fmt: skip
+        if request.program == "topk":  # the selection kernel score_topk takes at this W
+            out_dtype = plan.variant.as_dict()["out_dtype"]
+            wanted = ["forward", _family_topk(family, path).selection_kernel(shape[4], top_k, out_dtype)]
         for kernel in wanted:
             for mask in masks:
                 common = (plan.name, request.chip, request.program, kernel, mask)
@@ -233,7 +236,7 @@ def explain(
                 bounds = _bounds(t.shape, compress_rate, mask)
                 # the threshold kernel's loops, and a sparse kernel's over a window's spans of slots,
                 # run as many trips as the data say
-                dynamic = kernel == "topk_threshold" or kernel.startswith("sparse")
+                dynamic = kernel.startswith("topk_") or kernel.startswith("sparse")
                 sched = schedule.parse(*compiled[name], dynamic=dynamic)
                 kp = next((k for k in plan.kernels if k.name == kernel), None)
                 model_bytes = 0
@@ -244,7 +247,7 @@ def explain(
                     plan,
                     kp,
                     kernel,
-                    _every_group(sched, family, path, shape) if kernel == "topk_threshold" else sched,
+                    _step_schedule(sched, kernel, family, path, shape),
                     t,
                     cost.kind_matrix(t, *bounds),
                     cal,
@@ -252,8 +255,10 @@ def explain(
                     chip=request.chip,
                     model_bytes=model_bytes,
                 )
-                if request.program == "topk" and kp is None:  # one call per query chunk
+                if kernel == "topk_threshold":  # one call per query chunk
                     report = threshold_report(report, sched, family, path, shape, plan, bounds)
+                if kernel == "topk_select":
+                    report = select_report(report, sched, family, path, shape, plan, bounds)
                 if kernel.startswith("sparse_"):  # one call per window of k
                     report = sparse_report(report, sched, family, path, shape, plan, kernel, top_k, bounds)
                 rows.append(Row(*common, True, "", report))
@@ -337,6 +342,36 @@ def threshold_report(
         cycles += len(spans) * none + (one - none) * int(np.sum(spans[:, 1] - spans[:, 0]))
         cycles += fill_and_drain(sched)
     return dataclasses.replace(report, steps=blocks, cycles=cycles, call_bytes=report.call_bytes * calls)
+
+
+def select_report(
+    report: KernelReport, sched: schedule.Schedule, family: str, path: str, shape, plan: VariantPlan, bounds
+) -> KernelReport:
+    """``score_topk``'s selection kernel over all its calls, one a query chunk, each a block of 128 rows.
+    Its passes loop over the vregs a block's rows see (``_select.spans``), eight at a time (the counting
+    passes sixteen, the shift network from the first vreg): every loop the data bound is costed at a
+    trip per eight vregs of the block's span, so the counting passes are counted twice over (an upper
+    bound: the model has no term per loop)."""
+    topk = _family_topk(family, path)
+    select = importlib.import_module(f"{family}._select")
+    batch, _, seq_len, _, width = shape
+    chunk = topk.queries_per_chunk(batch, seq_len, width, block_q=plan.block_q)
+    if bounds:
+        kv_start, kv_end = (np.asarray(b) for b in bounds)
+    else:
+        kv_start, kv_end = np.zeros((batch, seq_len), np.int64), np.full((batch, seq_len), width)
+    none, one = (sched.with_trips(n).executed() for n in (0, 1))
+    cycles = blocks = 0
+    for step in range(-(-seq_len // chunk)):
+        at = min(step * chunk, seq_len - chunk)
+        rows = slice(at, at + chunk)
+        spans = np.asarray(
+            select.spans(kv_start[:, rows].reshape(-1), kv_end[:, rows].reshape(-1), width, batch * chunk)
+        ).reshape(-1, 2)
+        blocks += len(spans)
+        cycles += len(spans) * none + (one - none) * int(np.sum(spans[:, 1] - spans[:, 0])) // select.UNROLL
+        cycles += fill_and_drain(sched)
+    return dataclasses.replace(report, steps=blocks, cycles=cycles, call_bytes=report.call_bytes * (step + 1))
 
 
 def sparse_report(report: KernelReport, sched: schedule.Schedule, family: str, path: str, shape,
@@ -432,9 +467,15 @@ def _threshold_groups(family: str, path: str, width: int) -> int:
     return padded // (lanes * unroll)
 
 
-def _every_group(sched: schedule.Schedule, family: str, path: str, shape) -> schedule.Schedule:
-    """The threshold kernel's schedule for a block that reads every group of slices (its step report)."""
-    return sched.with_trips(_threshold_groups(family, path, shape[4]))
+def _step_schedule(sched: schedule.Schedule, kernel: str, family: str, path: str, shape) -> schedule.Schedule:
+    """A kernel's schedule for its step report: the selection kernels' for a block whose rows see every
+    block (the threshold kernel's every group of slices; the select kernel's every vreg, eight a trip)."""
+    if kernel == "topk_threshold":
+        return sched.with_trips(_threshold_groups(family, path, shape[4]))
+    if kernel == "topk_select":
+        select = importlib.import_module(f"{family}._select")
+        return sched.with_trips(select.geometry(shape[4], 1, "float32")[0] // select.SUBLANES // select.UNROLL)
+    return sched
 
 
 XLA = "xla"  # the report of a program's XLA programs, beside its kernels'

@@ -30,7 +30,7 @@ BLACK_MODE = black.Mode(line_length=110, target_versions={black.TargetVersion.PY
 # Copied from codegen/shipped/ into every family package (see codegen/shipped/__init__.py).
 SHIPPED = (
     "_geometry", "_checks", "_fp8", "_mesh", "_kernel_ops", "_operands", "_gather", "_autodiff", "_helpers",
-    "_topk",
+    "_select", "_topk",
 )  # fmt: skip
 _BACKWARD = {
     "fused": "two fused Pallas kernels (``_dense.backward``: dq with dweights, and dk), logits recomputed in VMEM",

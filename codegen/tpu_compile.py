@@ -35,8 +35,9 @@ PROGRAMS = {
     "grad": ("forward", "dq_dweights", "dk"),
     "sparse_fwd": ("sparse_forward",),
     "sparse_grad": ("sparse_forward", "sparse_backward"),
-    # score_topk: the forward kernel on query chunks, each cut by the threshold kernel, then XLA's rest
-    "topk": ("forward", "topk_threshold"),
+    # score_topk: the forward kernel on query chunks, each cut by the selection kernel (rows too wide for
+    # VMEM: by the threshold kernel and XLA's compaction; ``_topk.selection_kernel`` says which)
+    "topk": ("forward", "topk_select"),
 }
 GATE_PROGRAMS = ("fwd", "grad", "sparse_fwd", "sparse_grad")  # what `codegen compile` compiles by default
 CALIBRATION = "calibration"  # the plain matmul every kernel's cycles are compared with

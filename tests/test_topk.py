@@ -82,6 +82,40 @@ def test_score_topk_is_the_dense_selection_bit_for_bit(name):
     assert (counts == 0).any() and ((counts > 0) & (counts < 7)).any()
 
 
+@pytest.mark.parametrize(
+    "dtype, rows, width, top_k",
+    [
+        (jnp.bfloat16, 64, 300, 512),  # top_k beyond W: the slots past W are -1
+        (jnp.float32, 130, 1000, 100),  # a partial block of rows, W not whole vregs
+        pytest.param(jnp.bfloat16, 1024, 2048, 512, marks=pytest.mark.chip),  # the production rows
+        pytest.param(jnp.float32, 256, 8192, 1024, marks=pytest.mark.chip),
+    ],
+)
+def test_select_kernel_is_the_exact_top_k(dtype, rows, width, top_k):
+    """The in-VMEM selection kernel (``_select``, what ``select`` takes where a row fits VMEM) against
+    NumPy's sort: rows with random visible ranges and causal ones, ties (rounded scores), rows that see
+    fewer blocks than top_k and rows that see none; the passes skip what no row of a block sees."""
+    rng = np.random.default_rng(7)
+    scores = rng.standard_normal((rows, width)).astype(np.float32)
+    scores[:, ::5] = np.round(scores[:, ::5]) + 0.0  # ties (and no -0.0: its order is _numpy_topk's)
+    start = rng.integers(0, width, rows)
+    end = np.minimum(width, start + rng.integers(0, width + 1, rows))
+    causal = np.arange(rows) % 2 == 0
+    start[causal], end[causal] = 0, (np.arange(rows)[causal] + 1) * width // rows
+    end[rows // 3] = start[rows // 3]  # a row that sees nothing
+    column = np.arange(width)
+    scores = np.where((column >= start[:, None]) & (column < end[:, None]), scores, -np.inf)
+    x = jnp.asarray(scores, dtype)
+    assert topk_module.selection_kernel(width, top_k, dtype) == "topk_select"
+    bounds = (jnp.asarray(start, jnp.int32), jnp.asarray(end, jnp.int32))
+    index, values = jax.jit(lambda x, a, b: topk_module.select(x, top_k, support.INTERPRET, "t", a, b))(
+        x, *bounds
+    )
+    expected_index, expected_values = _numpy_topk(x, top_k)
+    np.testing.assert_array_equal(np.asarray(index), expected_index)
+    np.testing.assert_array_equal(np.asarray(values.astype(jnp.float32)), expected_values)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_select_orders_ties_zeros_and_non_finite_entries(dtype):
     # bfloat16 sorts one unique key (its score's bits and the slot), float32 a stable sort of the key

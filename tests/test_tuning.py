@@ -81,20 +81,24 @@ def test_a_ranking_compiles_the_scratch_candidates_as_the_committed_variant_comp
     )
 
 
-def test_compiled_explain_costs_the_topk_threshold_once_per_chunk():
-    """score_topk's threshold kernel runs once per query chunk: its report sums the calls, over the
-    chunks the family's own rule makes (2 at S = 8192, W = 4096 with the default 512 MiB)."""
+def test_compiled_explain_costs_the_topk_selection_once_per_block_of_rows():
+    """score_topk's selection kernel runs once per query chunk, a step per 128 rows: its report sums
+    the steps over the chunks the family's own rule makes (2 at S = 8192, W = 4096 with the default
+    512 MiB), each costed at the trips its rows' visible span gives the loops."""
     plan = pipeline.load_family(SPEC_PATH).plan(PRODUCTION)
     assert compiled._topk_chunks("generated.csa_v4", "", (1, 64, 8192, 128, 4096), plan) == 2
     shape = (1, 8, 512, 128, 256)
-    rows = compiled.explain("generated.csa_v4", [plan], ["v6e"], shape, 4, programs=("topk",), top_k=16)
-    assert {r.kernel for r in rows} == {"forward", "topk_threshold", compiled.XLA} and all(r.ok for r in rows)
-    threshold = next(r.report for r in rows if r.kernel == "topk_threshold")
-    # the rest of the selection, XLA's programs, read too: one chunk, so no loop around them
+    rows = compiled.explain(
+        "generated.csa_v4", [plan], ["v6e"], shape, 4, masks=("unmasked", "causal"), programs=("topk",), top_k=16
+    )
+    assert {r.kernel for r in rows} == {"forward", "topk_select", compiled.XLA} and all(r.ok for r in rows)
+    select = {r.mask: r.report for r in rows if r.kernel == "topk_select"}
+    # the rest of the selection, XLA's programs (the transposes), read too: one chunk, no loop around them
     xla = next(r.report for r in rows if r.kernel == compiled.XLA)
     assert xla.steps == 1 and xla.cycles >= xla.bundles > 0 and xla.executed == 0
-    # bfloat16 scores: a 16-trip loop of counting passes; one chunk here, so the call is the report
-    assert (threshold.loops[0][1], threshold.steps) == (16, 512 // 64)
-    assert (
-        threshold.steps * threshold.executed <= threshold.cycles < (threshold.steps + 3) * threshold.executed
-    )
+    # bfloat16 scores: a 16-trip loop of counting passes; one chunk of 4 blocks of 128 rows
+    assert 16 in [trips for _, trips in select["unmasked"].loops] and select["unmasked"].steps == 512 // 128
+    full = select["unmasked"]
+    assert full.steps * full.executed <= full.cycles < (full.steps + 3) * full.executed
+    # causal rows see fewer blocks: the early blocks' passes are shorter
+    assert select["causal"].cycles < full.cycles

@@ -3,27 +3,28 @@ sorting W entries: what every variant's ``score_topk`` runs.
 
 The queries are scored a chunk at a time by the variant's own ``score`` (``queries_per_chunk``: the
 chunk's scores and the selection's working arrays stay within ``working_bytes``, 512 MiB unless told),
-and each chunk is cut down to top_k at once, exactly:
+and each chunk is cut down to top_k at once, exactly, by ``select``:
 
-1. ``_keys``: each score's float32 bits as a uint32 in the scores' total order (a non-finite score,
-   such as the masked value, is 0, below every visible one);
-2. ``threshold``: a radix search for the top_k-th largest key, one bit at a time from the top: a
-   counting pass over the row per bit that can differ, 16 for bfloat16 scores (their float32 bits
-   end in 16 zeros), 32 otherwise; no sort. A Pallas kernel (``_threshold_kernel``) reads a block of
-   rows from HBM once and makes every pass over it in VMEM; ``_threshold`` is the same search in XLA,
-   which would read the chunk from HBM once a pass;
-3. the blocks above the threshold and, of those at it, the lowest-indexed ones are kept: exactly
-   top_k (or every visible block of a row that has fewer), as bits of uint32 words (``_kept_words``),
-   so no pass after this one is over W entries;
-4. ``_compact``: slot j takes the block where the running count of kept blocks reaches j + 1: the word
-   by a binary search of the words' running count (log2(W / 32) gathers of top_k entries, no
-   scatter), the bit by one of its population count;
-5. only those top_k are sorted into score order: highest first, a tie to the lower block (a stable
-   sort on the key: the slots are already in block order).
+- rows that fit VMEM whole (W up to about 16K blocks: ``_select.fits``) by one Pallas kernel,
+  ``_select.select``: threshold, compaction and a sort of top_k, all in VMEM, no gather;
+- wider rows (a context-parallel shard of a 1M-token context) streamed from HBM:
 
-So the result is ``topk_indices(score(...), top_k)`` and ``score(...)`` there, bit for bit: selected on the
-values ``score`` returns, in its output dtype. The scores are differentiable: the gradient is
-``sparse_score``'s at the selected blocks (computed from q and k again, never as [B, S, W]).
+  1. ``_keys``: each score's float32 bits as a uint32 in the scores' total order (a non-finite score,
+     such as the masked value, is 0, below every visible one);
+  2. ``threshold``: a radix search for the top_k-th largest key, one bit at a time from the top: a
+     counting pass over the row per bit that can differ, 16 for bfloat16 scores, 32 otherwise. A
+     Pallas kernel (``_threshold_kernel``) reads a block of rows from HBM once and makes every pass
+     over it in VMEM; ``_threshold`` is the same search in XLA;
+  3. the blocks above the threshold and, of those at it, the lowest-indexed ones are kept: exactly
+     top_k (or every visible block of a row that has fewer), as bits of uint32 words (``_kept_words``);
+  4. ``_compact``: slot j takes the block where the running count of kept blocks reaches j + 1: the
+     word by a binary search of the words' running count (log2(W / 32) gathers of top_k entries), the
+     bit by one of its population count;
+  5. only those top_k are sorted into score order: highest first, a tie to the lower block.
+
+Either way the result is ``topk_indices(score(...), top_k)`` and ``score(...)`` there, bit for bit:
+selected on the values ``score`` returns, in its output dtype. The scores are differentiable: the
+gradient is ``sparse_score``'s at the selected blocks (computed from q and k again, never as [B, S, W]).
 """
 
 import functools
@@ -35,7 +36,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import _checks, _gather, _geometry, _kernel_ops, _mesh
+from . import _checks, _gather, _geometry, _kernel_ops, _mesh, _select
 
 DEFAULT_WORKING_BYTES = 512 * 2**20  # the working set of a chunk of queries, scores included
 # 32-bit words held per score of a chunk while it is selected: the score, its key, the two running
@@ -334,10 +335,34 @@ def _scores_of_order_keys(order, dtype, top_k):
     return jax.lax.bitcast_convert_type(f32, jnp.float32).astype(dtype)
 
 
-def select(scores, top_k, interpret=False, name="topk_threshold", kv_start=None, kv_end=None):
+def selection_kernel(width, top_k, dtype):
+    """The kernel ``select`` cuts rows of ``width`` scores of ``dtype`` with (its name's suffix)."""
+    return "topk_select" if _select.fits(width, top_k, dtype) else "topk_threshold"
+
+
+def select(scores, top_k, interpret=False, name="topk", kv_start=None, kv_end=None):
     """The top_k entries of each row of ``scores`` [..., W] (any float dtype): (int32 indices, scores
     there), highest first, a tie to the lower index, index -1 and ``MASKED_VALUE`` past the row's
-    visible (finite) entries; exactly ``topk_indices``'s choice, with no sort wider than top_k."""
+    visible (finite) entries; exactly ``topk_indices``'s choice, with no sort wider than top_k.
+
+    Rows that fit VMEM whole (``_select.fits``: W up to about 16K) are selected there, by one kernel
+    (``{name}_select``); wider ones by the threshold kernel (``{name}_threshold``) and XLA's
+    compaction of the kept blocks (its gathers), reading the row from HBM a pass."""
+    *lead, width = scores.shape
+    if selection_kernel(width, top_k, scores.dtype) == "topk_select":
+        flat = [None if x is None else x.reshape(-1) for x in (kv_start, kv_end)]
+        index, key = _select.select(scores.reshape(-1, width), top_k, interpret, f"{name}_select", *flat)
+        values = jnp.where(index >= 0, _select.key_scores(key, scores.dtype), _kernel_ops.MASKED_VALUE)
+        short = top_k - index.shape[-1]  # top_k past the sorted rows (more than W): empty slots
+        index = jnp.pad(index, ((0, 0), (0, short)), constant_values=-1)
+        values = jnp.pad(values, ((0, 0), (0, short)), constant_values=_kernel_ops.MASKED_VALUE)
+        return index.reshape(*lead, top_k), values.astype(scores.dtype).reshape(*lead, top_k)
+    return _select_streamed(scores, top_k, interpret, f"{name}_threshold", kv_start, kv_end)
+
+
+def _select_streamed(scores, top_k, interpret, name, kv_start, kv_end):
+    """``select`` for rows too wide for VMEM: the threshold kernel, then the kept blocks compacted and
+    sorted in XLA."""
     width = scores.shape[-1]
     keys = _keys(scores)
     t, visible = threshold(scores, top_k, interpret, name, kv_start, kv_end)
@@ -375,7 +400,7 @@ def _chunked(
             q_chunk, k, rows[0], kv_start=rows[1], kv_end=rows[2], k_scale=k_scale,
             softmax_scale=softmax_scale, interpret=interpret,
         )  # fmt: skip
-        return None, select(scores, top_k, interpret, f"{variant['name']}_topk_threshold", rows[1], rows[2])
+        return None, select(scores, top_k, interpret, f"{variant['name']}_topk", rows[1], rows[2])
 
     _, chunks = jax.lax.scan(one, None, jnp.arange(steps))
     tail = seq_len - (steps - 1) * chunk  # rows of the last chunk not already in the one before

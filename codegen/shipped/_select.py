@@ -1,0 +1,345 @@
+"""Exact top-k of rows held whole in VMEM: one Pallas kernel (``select``) takes a block of 128 rows of
+scores, transposed so that a row runs down the sublanes of one lane, and returns each row's top_k
+indices in score order, with no sort of W entries and no gather.
+
+Per block, all in VMEM (every step a whole vreg at a time, eight blocks of 128 rows):
+
+1. keys: each score's float32 bits as int32 in the scores' total order (``INT_MIN``: not visible);
+2. the threshold: the top_k-th largest key, bit by bit from the top, one counting pass a bit (16 for
+   bfloat16 scores, whose float32 bits end in 16 zeros; 32 otherwise); a row's count is a lane's sum,
+   so no pass reduces across lanes;
+3. what is kept: the blocks above the threshold and, of those at it, the lowest-indexed (``room`` of
+   them); each kept block's shift is its index less the kept blocks before it (running counts down
+   the sublanes, eight at a time);
+4. compaction by a shift network: bit b of every shift, lowest first, moves a kept block 2^b rows up.
+   Taken lowest bit first, two kept blocks never land on one row (a later block's shift exceeds an
+   earlier one's by at most the rows between them), so each step is a select per vreg; a bfloat16
+   block's key and index share one int32 (``_PACKED``), else they travel as two;
+5. a bitonic sort of the first ``n`` rows (top_k rounded up to a power of two), highest first, a tie
+   to the lower index. Row ``8 v + s`` holds sort position ``s * n / 8 + v``, so every compare-exchange
+   at a stride below ``n / 8`` pairs two whole vregs, and only the three widest strides rotate sublanes.
+
+The passes run over the vregs holding a block any of the block's rows sees (``spans``), so a causal
+call makes them over half its rows on average. The caller transposes the scores in and the result out
+(``ranked``): two XLA copies of the chunk's scores and of the [rows, top_k] result.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from . import _geometry, _mesh
+
+ROWS = _geometry.LANES  # rows a block: one a lane
+SUBLANES = 8  # rows of int32 in a vreg: a step works on [8, 128] at a time
+UNROLL = 8  # vregs a loop trip (the loops' bounds are the data's, so trips are unrolled by hand)
+COUNT_UNROLL = 16  # vregs a counting trip, summed as a tree
+INT_MIN = -(2**31)
+# A key's significant top bits: bfloat16 scores' float32 bits end in 16 zeros, so their key and
+# their index (W up to 2^16) share one int32 that orders as (key, then the lower index) does.
+_PACKED_BITS = 16
+# VMEM the kernel may ask for: four or six [W, 128] int32 buffers and the keys, and the scores
+# double-buffered. A wider row takes ``_topk``'s selection that streams the row from HBM instead.
+VMEM_LIMIT_BYTES = 48 * 2**20
+
+
+def geometry(width: int, top_k: int, dtype) -> tuple[int, int, int, bool]:
+    """(rows W is padded to, rows sorted n, shift-network steps, packed) for rows of ``width`` scores."""
+    padded = _geometry.round_up(width, _geometry.LANES)  # whole count trips
+    n = max(SUBLANES * SUBLANES, 1 << max(0, math.ceil(math.log2(min(top_k, padded)))))
+    packed = jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) and padded <= 2**16
+    return padded, n, max(1, math.ceil(math.log2(padded))), packed
+
+
+def vmem_bytes(width: int, top_k: int, dtype) -> int:
+    """The kernel's VMEM: scratch buffers, keys, the scores block (double-buffered) and the outputs."""
+    padded, n, _, packed = geometry(width, top_k, dtype)
+    arrays = 2 if packed else 3
+    height = max(padded, n) + SUBLANES
+    scratch = (2 * arrays * height + padded) * ROWS * 4
+    return scratch + 2 * padded * ROWS * jnp.dtype(dtype).itemsize + 2 * (arrays - 1) * n * ROWS * 4
+
+
+def fits(width: int, top_k: int, dtype) -> bool:
+    """Whether rows of ``width`` scores are selected in VMEM here (else streamed by ``_topk``)."""
+    return vmem_bytes(width, top_k, dtype) <= VMEM_LIMIT_BYTES
+
+
+def _rows(v):
+    """The eight rows of vreg ``v`` (an int or a traced index)."""
+    start = v * SUBLANES
+    return pl.ds(start if isinstance(start, int) else pl.multiple_of(start, SUBLANES), SUBLANES)
+
+
+def _each(lo, hi, body, carry=None, unroll=UNROLL):
+    """``carry = body(v, carry)`` for v in [lo, hi), traced bounds, ``unroll`` vregs a trip then the rest
+    one at a time (``fori_loop`` unrolls only static bounds)."""
+    trips = (hi - lo) // unroll
+
+    def group(j, c):
+        for u in range(unroll):
+            c = body(lo + j * unroll + u, c)
+        return c
+
+    carry = jax.lax.fori_loop(0, trips, group, carry)
+    return jax.lax.fori_loop(lo + trips * unroll, hi, body, carry)
+
+
+def _tree_sum(xs):
+    while len(xs) > 1:
+        xs = [a + b for a, b in zip(xs[::2], xs[1::2])] + xs[len(xs) - len(xs) % 2 :]
+    return xs[0]
+
+
+def _count(ref, lo, hi, predicate):
+    """Per lane, how many rows of vregs [lo, hi) of ``ref`` satisfy ``predicate``: int32 [1, 128]."""
+
+    def body(j, acc):
+        v = lo + j * COUNT_UNROLL
+        hits = [predicate(ref[_rows(v + u), :]).astype(jnp.int32) for u in range(COUNT_UNROLL)]
+        return acc + _tree_sum(hits)
+
+    acc = jax.lax.fori_loop(0, (hi - lo) // COUNT_UNROLL, body, jnp.zeros((SUBLANES, ROWS), jnp.int32))
+    return jnp.sum(acc, axis=0, keepdims=True)  # lo and hi are whole count trips (``spans``)
+
+
+def _kernel(spans_ref, scores_ref, *refs, top_k, bits, packed, n, steps, unrolled):
+    """One block of 128 rows (lanes) of W scores (sublanes): the sorted top_k of each, see the module
+    docstring. Outputs [n, 128]: the packed key and index, or the key and the index."""
+    outputs, arrays = (1, 2) if packed else (2, 3)
+    outs, buffers, key_ref = refs[:outputs], refs[outputs:-1], refs[-1]
+    here, there = buffers[:arrays], buffers[arrays:]  # the network reads one and writes the other
+    unroll = UNROLL if unrolled else 1  # interpreted, code is compile time: loops, not copies
+    block = pl.program_id(0)
+    lo, hi = spans_ref[2 * block], spans_ref[2 * block + 1]  # the vregs holding blocks the rows see
+    sub = jax.lax.broadcasted_iota(jnp.int32, (SUBLANES, ROWS), 0)
+    # an empty row: the lowest payload, no shift (-1), no index
+    empty = [jnp.full((SUBLANES, ROWS), INT_MIN, jnp.int32)] + [jnp.full((SUBLANES, ROWS), -1, jnp.int32)] * (
+        arrays - 1
+    )
+
+    def to_keys(v, _):
+        x = scores_ref[_rows(v), :].astype(jnp.float32)
+        b = jax.lax.bitcast_convert_type(x, jnp.int32)
+        key = jnp.where(jnp.abs(x) < jnp.inf, jnp.where(b < 0, b ^ 0x7FFFFFFF, b), INT_MIN)
+        key_ref[_rows(v), :] = key
+        return _
+
+    _each(lo, hi, to_keys, unroll=unroll)
+    wanted = jnp.minimum(_count(key_ref, lo, hi, lambda k: k != INT_MIN), top_k)
+
+    def search(bit, t):  # t: the threshold's bits so far, unsigned order in int32
+        candidate = t | jax.lax.shift_left(jnp.int32(1), 31 - bit)
+        enough = _count(key_ref, lo, hi, lambda k: k >= (candidate ^ INT_MIN)) >= wanted
+        return jnp.where(enough, candidate, t)
+
+    t = jax.lax.fori_loop(0, bits, search, jnp.zeros((1, ROWS), jnp.int32))
+    if bits < 32:  # the low bits as the 32-bit search sets them (``_topk._fill_low_bits``)
+        t = jnp.where((wanted == 0) | (t >= 0), t | ((1 << (32 - bits)) - 1), t)
+    threshold = t ^ INT_MIN
+    room = wanted - _count(key_ref, lo, hi, lambda k: k > threshold)  # ties to keep
+
+    def running(x):  # inclusive running sum down the eight sublanes
+        for s in (1, 2, 4):
+            x = x + jnp.where(sub >= s, pltpu.roll(x, s, 0), 0)
+        return x
+
+    def clear(v, _):
+        for a, e in zip(here, empty):
+            a[_rows(v), :] = e
+        return _
+
+    _each(0, lo, clear, unroll=unroll)
+
+    def shifts(v, before):
+        above_before, ties_before = before
+        key = key_ref[_rows(v), :]
+        above = key > threshold
+        ties = (key == threshold) & (key != INT_MIN)
+        both = jnp.where(above, 1, jnp.where(ties, 1 << 16, 0))  # both counts in one word: 8 at most
+        upto = running(both)
+        ahead = upto - both
+        ties_ahead = (ahead >> 16) + ties_before
+        kept = above | (ties & (ties_ahead < room))
+        row = v * SUBLANES + sub
+        here[1][_rows(v), :] = jnp.where(
+            kept, row - (ahead & 0xFFFF) - above_before - jnp.minimum(ties_ahead, room), -1
+        )
+        if packed:  # the key's top 16 bits, then the complement of the index: a tie ranks the lower first
+            here[0][_rows(v), :] = jnp.where(kept, (key & jnp.int32(-65536)) | (0xFFFF - row), INT_MIN)
+        else:
+            here[0][_rows(v), :] = jnp.where(kept, key, INT_MIN)
+            here[2][_rows(v), :] = jnp.where(kept, row, -1)
+        return above_before + (upto[SUBLANES - 1 :] & 0xFFFF), ties_before + (upto[SUBLANES - 1 :] >> 16)
+
+    zero = jnp.zeros((1, ROWS), jnp.int32)
+    _each(lo, hi, shifts, (zero, zero), unroll=unroll)
+
+    for step in range(steps):  # the shift network over vregs [0, hi)
+        d = 1 << step
+        bit = jnp.int32(d | INT_MIN)  # an empty row's shift, -1, has the sign bit: it neither moves nor stays
+
+        def settle(v, cur, incoming, there=there, d=d, bit=bit):
+            take = (incoming[1] & bit) == d
+            stay = (cur[1] & bit) == 0
+            for a, new, old, e in zip(there, incoming, cur, empty):
+                a[_rows(v), :] = jnp.where(take, new, jnp.where(stay, old, e))
+
+        def move(v, _, here=here, d=d, settle=settle):
+            cur = [a[_rows(v), :] for a in here]
+            if d < SUBLANES:  # the rows d below: the rest of this vreg, the top of the next
+                nxt = [a[_rows(v + 1), :] for a in here]
+                up = SUBLANES - d
+                incoming = [
+                    jnp.where(sub < up, pltpu.roll(c, up, 0), pltpu.roll(x, up, 0)) for c, x in zip(cur, nxt)
+                ]
+            else:
+                incoming = [a[_rows(v + d // SUBLANES), :] for a in here]
+            settle(v, cur, incoming)
+            return _
+
+        def last(v, _, here=here, d=d, settle=settle):  # nothing below hi comes up into these
+            cur = [a[_rows(v), :] for a in here]
+            if d < SUBLANES:
+                incoming = [
+                    jnp.where(sub < SUBLANES - d, pltpu.roll(c, SUBLANES - d, 0), e)
+                    for c, e in zip(cur, empty)
+                ]
+            else:
+                incoming = empty
+            settle(v, cur, incoming)
+            return _
+
+        split = jnp.maximum(hi - max(1, d // SUBLANES), 0)
+        _each(0, split, move, unroll=unroll)
+        _each(split, hi, last, unroll=1)
+        here, there = there, here
+    nv = n // SUBLANES
+    _each(jnp.minimum(hi, nv), nv, clear, unroll=1)
+
+    values = [here[0]] + ([] if packed else [here[2]])
+
+    def first(a, b):  # whether a ranks before b: the higher key, a tie to the lower index
+        if packed:
+            return a[0] > b[0]
+        return (a[0] > b[0]) | ((a[0] == b[0]) & (a[1] < b[1]))
+
+    def over(count, body):  # body(i) for i < count: unrolled on the chip (static rows), a loop interpreted
+        if unrolled:
+            for i in range(count):
+                body(i)
+        else:
+            jax.lax.fori_loop(0, count, lambda i, _: (body(i), _)[1], 0)
+
+    size = 2
+    while size <= n:  # bitonic: sorted runs of ``size``, alternately descending and ascending
+        stride = size // 2
+        while stride >= 1:
+            if stride < nv:  # whole vregs v and v + stride
+
+                def pair(i, size=size, stride=stride):
+                    v = i // stride * 2 * stride + i % stride
+                    a = [x[_rows(v), :] for x in values]
+                    b = [x[_rows(v + stride), :] for x in values]
+                    if size < nv:  # the run's direction is the vreg's
+                        keep = first(a, b) == ((v & size) == 0)
+                    else:  # the sublane's
+                        keep = first(a, b) == ((sub & (size // nv)) == 0)
+                    for x, aa, bb in zip(values, a, b):
+                        x[_rows(v), :] = jnp.where(keep, aa, bb)
+                        x[_rows(v + stride), :] = jnp.where(keep, bb, aa)
+
+                over(nv // 2, pair)
+            else:  # within a vreg: sublane s and s ^ (stride / nv)
+
+                def within(v, size=size, apart=stride // nv):
+                    lower = (sub & apart) == 0
+                    own = [x[_rows(v), :] for x in values]
+                    other = [
+                        jnp.where(lower, pltpu.roll(x, SUBLANES - apart, 0), pltpu.roll(x, apart, 0))
+                        for x in own
+                    ]
+                    keep = first(own, other) == (lower == ((sub & (size // nv)) == 0))
+                    for x, o, q in zip(values, own, other):
+                        x[_rows(v), :] = jnp.where(keep, o, q)
+
+                over(nv, within)
+            stride //= 2
+        size *= 2
+    for out, x in zip(outs, values):
+        out[...] = x[0:n, :]
+
+
+def spans(kv_start, kv_end, width: int, rows: int):
+    """Per block of ``ROWS`` rows, flat: the vregs [first, end) holding any block one of its rows sees,
+    whole counting trips (0, 0 where none; the rows padding the last block see nothing)."""
+    total = _geometry.round_up(rows, ROWS)
+    lo, hi = jnp.clip(kv_start, 0, width), jnp.clip(kv_end, 0, width)
+    seen = hi > lo
+    lo = (
+        jnp.pad(jnp.where(seen, lo, width), (0, total - rows), constant_values=width).reshape(-1, ROWS).min(1)
+    )
+    hi = jnp.pad(jnp.where(seen, hi, 0), (0, total - rows)).reshape(-1, ROWS).max(1)
+    trip = SUBLANES * COUNT_UNROLL
+    first = jnp.where(hi > lo, lo // trip * COUNT_UNROLL, 0)
+    end = jnp.where(hi > lo, -(-hi // trip) * COUNT_UNROLL, 0)
+    return jnp.stack([first, end], 1).reshape(-1).astype(jnp.int32)
+
+
+def select(scores, top_k, interpret=False, name="topk_select", kv_start=None, kv_end=None):
+    """(int32 [R, k] indices, int32 [R, k] keys) of each row of ``scores`` [R, W] (``k`` = min(top_k, n)):
+    highest first, a tie to the lower index; index -1 and key ``INT_MIN`` past the row's visible
+    entries. ``kv_start``, ``kv_end`` [R]: the rows' visible blocks (the passes skip the others)."""
+    rows, width = scores.shape
+    padded, n, steps, packed = geometry(width, top_k, scores.dtype)
+    total = _geometry.round_up(rows, ROWS)
+    transposed = jnp.pad(scores, ((0, total - rows), (0, padded - width)), constant_values=-jnp.inf).T
+    if kv_start is None:
+        kv_start, kv_end = jnp.zeros(rows, jnp.int32), jnp.full(rows, width, jnp.int32)
+    bounds = spans(kv_start, kv_end, width, rows)
+    arrays, outputs = (2, 1) if packed else (3, 2)
+    bits = _PACKED_BITS if jnp.dtype(scores.dtype) == jnp.bfloat16 else 32
+    height = max(padded, n) + SUBLANES
+    call = pl.pallas_call(
+        functools.partial(
+            _kernel, top_k=top_k, bits=bits, packed=packed, n=n, steps=steps, unrolled=not interpret
+        ),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(total // ROWS,),
+            in_specs=[pl.BlockSpec((padded, ROWS), lambda i, s: (0, i))],
+            out_specs=[pl.BlockSpec((n, ROWS), lambda i, s: (0, i))] * outputs,
+            scratch_shapes=[pltpu.VMEM((height, ROWS), jnp.int32)] * (2 * arrays)
+            + [pltpu.VMEM((padded, ROWS), jnp.int32)],
+        ),
+        out_shape=[_mesh.out_struct((n, total), jnp.int32, scores)] * outputs,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel",),
+            vmem_limit_bytes=_geometry.vmem_limit(vmem_bytes(width, top_k, scores.dtype), 0),
+        ),
+        interpret=interpret,
+        name=name,
+    )
+    outs = _mesh.interpretable(lambda a: call(*a), (bounds, transposed), interpret)
+    k = min(top_k, n)
+
+    def ranked(x):  # row 8 v + s holds sort position s * n / 8 + v; rows back to [R, k]
+        return x.reshape(n // SUBLANES, SUBLANES, total).transpose(2, 1, 0).reshape(total, n)[:rows, :k]
+
+    if packed:
+        p = ranked(outs[0])
+        key = (p & jnp.int32(-65536)) | jnp.where(p < 0, 0xFFFF, 0)  # the low bits ``_keys`` leaves
+        index = 0xFFFF - (p & 0xFFFF)
+        return jnp.where(p != INT_MIN, index, -1), jnp.where(p != INT_MIN, key, INT_MIN)
+    key, index = ranked(outs[0]), ranked(outs[1])
+    return jnp.where(key != INT_MIN, index, -1), key
+
+
+def key_scores(key, dtype):
+    """The scores (``dtype``) whose int32 keys are ``key`` (``to_keys`` undone; INT_MIN: any value)."""
+    bits = jnp.where(key < 0, key ^ 0x7FFFFFFF, key)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32).astype(dtype)
