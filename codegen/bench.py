@@ -238,10 +238,10 @@ class Bench:
     planned first and compiled on the host's cores at once (``workers``); then each case is timed in
     order, a line printed as it ends."""
 
-    def __init__(self, package, production: list, cases: set[str], calls: int, asked: set[str] = frozenset(),
-                 out=sys.stdout, workers: int | None = None):  # fmt: skip
+    def __init__(self, package, production: list, cases: set[str], calls: int, out=sys.stdout,
+                 workers: int | None = None):  # fmt: skip
         self.package, self.production = package, production  # the generated package; [(name, module)]
-        self.cases, self.calls, self.asked, self.out = cases, calls, asked, out
+        self.cases, self.calls, self.out = cases, calls, out
         self.workers = workers or min(8, os.cpu_count() or 1)
         self.planned: list[Case | Result] = []  # a Result: a case that is reported without running
         self.results: list[Result] = []

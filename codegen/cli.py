@@ -511,7 +511,7 @@ def _bench(args: argparse.Namespace) -> int:
             package = importlib.import_module(_family_package(family))
         production = [(name, package.VARIANTS[name]) for name in names]
         shapes = [(*args.shape, args.top_k)] if args.shape else list(bench.SHAPES[:1] if args.rank else bench.SHAPES)
-        run = bench.Bench(package, production, asked or set(bench.CASES), args.calls, asked)
+        run = bench.Bench(package, production, asked or set(bench.CASES), args.calls)
         saved = {
             **bench.environment(),
             "command": " ".join(["codegen", "bench", *_without_outputs(args.argv)]),

@@ -66,6 +66,28 @@ def test_report_of_a_saved_run():
     assert text.rstrip().endswith("Calibration: bf16 matmul (calibration), 8192^3: 6.11 ms, 180 TF/s.")
 
 
+def test_ranking_puts_the_fastest_forward_and_gradient_first():
+    """``--rank``'s table: candidates by their causal forward + gradient, a ratio to the best, one that
+    has no time (it did not fit) last, with dashes."""
+    saved = _saved()
+    tilings = {"a": (256, 2048, 512), "b": (512, 2048, 256), "c": (256, 2048, 256)}
+    timed = {
+        ("a", "grad.causal"): 7.0,
+        ("a", "score.causal"): 1.4,
+        ("b", "grad.causal"): 6.3,
+        ("b", "score.causal"): 1.3,
+    }
+    row = lambda name, case, ms: {**saved["results"][1], "case": case, "subject": name, "ms": ms}
+    saved["results"] = [row(n, c, ms) for (n, c), ms in timed.items()] + [row("c", "grad.causal", None)]
+    lines = bench.ranking(saved, "a", tilings).splitlines()
+    assert lines[0].startswith("a's tilings ranked on the chip by grad.causal")
+    assert lines[4:] == [
+        "| 1 | b | 512 x 2048 / 256 | 1.300 | 6.300 | 1.00 |",
+        "| 2 | a | 256 x 2048 / 512 | 1.400 | 7.000 | 1.11 |",
+        "| 3 | c | 256 x 2048 / 256 | - | - | - |",
+    ]
+
+
 def test_report_command_reads_a_saved_run(tmp_path, capsys):
     path = tmp_path / "run.json"
     path.write_text(json.dumps(_saved()))

@@ -179,6 +179,11 @@ CASES = {
         ["tuning.tilings[1] = 'huge'", "no such tiling; defined: ["],
     ),
     "tuning_without_head_chunks": (_set("tuning.head_chunk", []), ["tuning.head_chunk = []", "at least 1"]),
+    "tuning_chip_names_a_missing_tiling": (
+        _set("tuning.chip", ["prod", "huge"]),
+        ["tuning.chip[1] = 'huge'", "no such tiling; defined: ["],
+    ),
+    "tuning_chip_over_eight": (_set("tuning.chip", ["prod"] * 9), ["tuning.chip", "at most 8"]),
     "empty_matrix_axis": (
         _set("variants.matrix.q_layout", []),
         ["variants.matrix.q_layout = []", "at least 1"],

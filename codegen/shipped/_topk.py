@@ -9,17 +9,13 @@ and each chunk is cut down to top_k at once, exactly, by ``select``:
   ``_select.select``: threshold, compaction and a sort of top_k, all in VMEM, no gather;
 - wider rows (a context-parallel shard of a 1M-token context) streamed from HBM:
 
-  1. ``_keys``: each score's float32 bits as a uint32 in the scores' total order (a non-finite score,
-     such as the masked value, is 0, below every visible one);
-  2. ``threshold``: a radix search for the top_k-th largest key, one bit at a time from the top: a
-     counting pass over the row per bit that can differ, 16 for bfloat16 scores, 32 otherwise. A
-     Pallas kernel (``_threshold_kernel``) reads a block of rows from HBM once and makes every pass
-     over it in VMEM; ``_threshold`` is the same search in XLA;
-  3. the blocks above the threshold and, of those at it, the lowest-indexed ones are kept: exactly
-     top_k (or every visible block of a row that has fewer), as bits of uint32 words (``_kept_words``);
-  4. ``_compact``: slot j takes the block where the running count of kept blocks reaches j + 1: the
-     word by a binary search of the words' running count (log2(W / 32) gathers of top_k entries), the
-     bit by one of its population count;
+  1. ``_keys``: each score's float32 bits as a uint32 in the scores' total order (0: not visible);
+  2. ``threshold``: a radix search for the top_k-th largest key, a counting pass per bit that can
+     differ (16 for bfloat16 scores), by a Pallas kernel (``_threshold_kernel``) that reads a block
+     of rows from HBM once; ``_threshold`` is the same search in XLA;
+  3. the blocks above it and the lowest-indexed ties kept as bits of uint32 words (``_kept_words``);
+  4. ``_compact``: slot j takes the block where the running count of kept blocks reaches j + 1 (a
+     binary search of the words' running count: log2(W / 32) gathers of top_k entries);
   5. only those top_k are sorted into score order: highest first, a tie to the lower block.
 
 Either way the result is ``topk_indices(score(...), top_k)`` and ``score(...)`` there, bit for bit:
