@@ -2,7 +2,7 @@
 scores, transposed so that a row runs down the sublanes of one lane, and returns each row's top_k
 indices in score order, with no sort of W entries and no gather.
 
-Per block, all in VMEM (every step a whole vreg at a time, eight blocks of 128 rows):
+Per block, all in VMEM, every step a vreg at a time (eight compressed blocks of the 128 rows):
 
 1. keys: each score's float32 bits as int32 in the scores' total order (``INT_MIN``: not visible);
 2. the threshold: the top_k-th largest key, bit by bit from the top, one counting pass a bit (16 for
@@ -13,15 +13,15 @@ Per block, all in VMEM (every step a whole vreg at a time, eight blocks of 128 r
    the sublanes, eight at a time);
 4. compaction by a shift network: bit b of every shift, lowest first, moves a kept block 2^b rows up.
    Taken lowest bit first, two kept blocks never land on one row (a later block's shift exceeds an
-   earlier one's by at most the rows between them), so each step is a select per vreg; a bfloat16
-   block's key and index share one int32 (``_PACKED``), else they travel as two;
+   earlier one's by less than the rows between them), so each step is a select per vreg; a bfloat16
+   block's key and index share one int32 (``_PACKED_BITS``), else they travel as two;
 5. a bitonic sort of the first ``n`` rows (top_k rounded up to a power of two), highest first, a tie
    to the lower index. Row ``8 v + s`` holds sort position ``s * n / 8 + v``, so every compare-exchange
    at a stride below ``n / 8`` pairs two whole vregs, and only the three widest strides rotate sublanes.
 
 The passes run over the vregs holding a block any of the block's rows sees (``spans``), so a causal
 call makes them over half its rows on average. The caller transposes the scores in and the result out
-(``ranked``): two XLA copies of the chunk's scores and of the [rows, top_k] result.
+(``ranked``): an XLA copy of the chunk's scores, and one of the [rows, top_k] result.
 """
 
 import functools
