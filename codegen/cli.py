@@ -423,7 +423,9 @@ def parser() -> argparse.ArgumentParser:
         "spec", metavar="SPEC", nargs="?", default="specs/csa_v4.yaml", help="default specs/csa_v4.yaml"
     )
     p.add_argument("--cases", help="comma-separated, of " + ", ".join(_bench_cases()) + " (default: all)")
-    p.add_argument("--variants", help="comma-separated variants to time instead of the spec's production ones")
+    p.add_argument(
+        "--variants", help="comma-separated variants to time instead of the spec's production ones"
+    )
     p.add_argument(
         "--rank",
         metavar="VARIANT",
@@ -477,13 +479,16 @@ def _bench(args: argparse.Namespace) -> int:
         raise UsageError(f"unknown cases {unknown}: choose from {', '.join(bench.CASES)}")
     if args.rank and args.variants:
         raise UsageError("--rank times one variant's tilings; --variants names variants: give one of them")
+    emitted = {p.name for p in family.plans}
     if args.rank:
-        if args.rank not in {p.name for p in family.plans}:
+        if args.rank not in emitted:
             raise UsageError(f"--rank {args.rank}: the spec emits no such variant")
         if not (family.spec.tuning and family.spec.tuning.chip):
-            raise UsageError(f"--rank: {args.spec} names no tilings to time on the chip (its tuning.chip list)")
+            raise UsageError(
+                f"--rank: {args.spec} names no tilings to time on the chip (its tuning.chip list)"
+            )
     names = args.variants.split(",") if args.variants else family.spec.production
-    missing = sorted(set(names) - set({p.name for p in family.plans}))
+    missing = sorted(set(names) - emitted)
     if missing:
         raise UsageError(f"--variants: the spec emits no {missing}")
     if not names and not args.rank:
@@ -510,7 +515,11 @@ def _bench(args: argparse.Namespace) -> int:
         else:
             package = importlib.import_module(_family_package(family))
         production = [(name, package.VARIANTS[name]) for name in names]
-        shapes = [(*args.shape, args.top_k)] if args.shape else list(bench.SHAPES[:1] if args.rank else bench.SHAPES)
+        shapes = (
+            [(*args.shape, args.top_k)]
+            if args.shape
+            else list(bench.SHAPES[:1] if args.rank else bench.SHAPES)
+        )
         run = bench.Bench(package, production, asked or set(bench.CASES), args.calls)
         saved = {
             **bench.environment(),
@@ -531,7 +540,11 @@ def _bench(args: argparse.Namespace) -> int:
     if args.rank:
         tilings = {plan.name: family.spec.tilings[plan.variant.tiling] for plan in candidates.plans}
         print()
-        print(bench.ranking(saved, args.rank, {n: (t.block_q, t.block_w, t.compute_width) for n, t in tilings.items()}))
+        print(
+            bench.ranking(
+                saved, args.rank, {n: (t.block_q, t.block_w, t.compute_width) for n, t in tilings.items()}
+            )
+        )
     return EXIT_OK
 
 

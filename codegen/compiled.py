@@ -308,70 +308,68 @@ def _topk_chunks(family: str, path: str, shape, plan: VariantPlan) -> int:
     return -(-seq_len // chunk)
 
 
-def threshold_report(
-    report: KernelReport, sched: schedule.Schedule, family: str, path: str, shape, plan: VariantPlan, bounds
-) -> KernelReport:
-    """``score_topk``'s threshold kernel over all its calls, one a query chunk (the last one ending at S,
-    as ``_topk._chunked`` takes them). Its passes loop over the groups of slices a block's rows see: two
-    loops of as many trips as that (``schedule.DYNAMIC``: the keys, and the counts in each pass), so a
-    block costs its bundles with those loops run no trip, plus a trip's share for each group it sees
-    (``_topk.threshold_spans`` at the causal bounds; every group unmasked)."""
-    topk = _family_topk(family, path)
+def _chunk_calls(report: KernelReport, sched: schedule.Schedule, family: str, path: str, shape, plan: VariantPlan,
+                 bounds, trips) -> KernelReport:  # fmt: skip
+    """A selection kernel over all its calls, one a query chunk (the last one ending at S, as
+    ``_topk._chunked`` takes them): each block of rows costs its bundles with the loops the data bound
+    run no trip, plus a trip's share for each trip ``trips(kv_start, kv_end)`` gives it (per block of
+    the call, from the chunk's rows' bounds; every block unmasked)."""
     batch, _, seq_len, _, width = shape
-    groups = _threshold_groups(family, path, width)
-    chunk = topk.queries_per_chunk(batch, seq_len, width, block_q=plan.block_q)
+    chunk = _family_topk(family, path).queries_per_chunk(batch, seq_len, width, block_q=plan.block_q)
     if bounds:
         kv_start, kv_end = (np.asarray(b) for b in bounds)
     else:
         kv_start, kv_end = np.zeros((batch, seq_len), np.int64), np.full((batch, seq_len), width)
-    dynamic = [loop for loop in sched.loops if loop.trips == schedule.DYNAMIC]
-    if len(dynamic) != (2 if groups > 1 else 0):
-        raise StructureError(
-            f"topk_threshold: expected {2 if groups > 1 else 0} loops over the groups a block sees "
-            f"(keys, counts); found loops {[(x.start, x.stop, x.trips) for x in sched.loops]}"
-        )
-    # a group's share: 0 where the slices are inline (one group), which a block reads whatever it sees
     none, one = (sched.with_trips(n).executed() for n in (0, 1))
     calls = -(-seq_len // chunk)
     cycles = blocks = 0
     for step in range(calls):
         at = min(step * chunk, seq_len - chunk)
         rows = slice(at, at + chunk)
-        spans = topk.threshold_spans(kv_start[:, rows].reshape(-1), kv_end[:, rows].reshape(-1), width)
-        blocks += len(spans)
-        cycles += len(spans) * none + (one - none) * int(np.sum(spans[:, 1] - spans[:, 0]))
-        cycles += fill_and_drain(sched)
+        per_block = trips(kv_start[:, rows].reshape(-1), kv_end[:, rows].reshape(-1))
+        blocks += len(per_block)
+        cycles += len(per_block) * none + (one - none) * int(np.sum(per_block)) + fill_and_drain(sched)
     return dataclasses.replace(report, steps=blocks, cycles=cycles, call_bytes=report.call_bytes * calls)
+
+
+def threshold_report(
+    report: KernelReport, sched: schedule.Schedule, family: str, path: str, shape, plan: VariantPlan, bounds
+) -> KernelReport:
+    """``score_topk``'s threshold kernel over all its calls (``_chunk_calls``). Its passes loop over the
+    groups of slices a block's rows see: two loops of as many trips as that (``schedule.DYNAMIC``: the
+    keys, and the counts in each pass), by ``_topk.threshold_spans``."""
+    width = shape[4]
+    groups = _threshold_groups(family, path, width)
+    dynamic = [loop for loop in sched.loops if loop.trips == schedule.DYNAMIC]
+    if len(dynamic) != (2 if groups > 1 else 0):
+        raise StructureError(
+            f"topk_threshold: expected {2 if groups > 1 else 0} loops over the groups a block sees "
+            f"(keys, counts); found loops {[(x.start, x.stop, x.trips) for x in sched.loops]}"
+        )
+    topk = _family_topk(family, path)
+
+    def trips(kv_start, kv_end):  # a group's share: 0 where the slices are inline (one group)
+        spans = topk.threshold_spans(kv_start, kv_end, width)
+        return spans[:, 1] - spans[:, 0]
+
+    return _chunk_calls(report, sched, family, path, shape, plan, bounds, trips)
 
 
 def select_report(
     report: KernelReport, sched: schedule.Schedule, family: str, path: str, shape, plan: VariantPlan, bounds
 ) -> KernelReport:
-    """``score_topk``'s selection kernel over all its calls, one a query chunk, each a block of 128 rows.
+    """``score_topk``'s selection kernel over all its calls (``_chunk_calls``), a block of 128 rows a step.
     Its passes loop over the vregs a block's rows see (``_select.spans``), eight at a time (the counting
     passes sixteen, the shift network from the first vreg): every loop the data bound is costed at a
     trip per eight vregs of the block's span, so the counting passes are counted twice over (an upper
     bound: the model has no term per loop)."""
-    topk = _family_topk(family, path)
     select = importlib.import_module(f"{family}._select")
-    batch, _, seq_len, _, width = shape
-    chunk = topk.queries_per_chunk(batch, seq_len, width, block_q=plan.block_q)
-    if bounds:
-        kv_start, kv_end = (np.asarray(b) for b in bounds)
-    else:
-        kv_start, kv_end = np.zeros((batch, seq_len), np.int64), np.full((batch, seq_len), width)
-    none, one = (sched.with_trips(n).executed() for n in (0, 1))
-    cycles = blocks = 0
-    for step in range(-(-seq_len // chunk)):
-        at = min(step * chunk, seq_len - chunk)
-        rows = slice(at, at + chunk)
-        spans = np.asarray(
-            select.spans(kv_start[:, rows].reshape(-1), kv_end[:, rows].reshape(-1), width, batch * chunk)
-        ).reshape(-1, 2)
-        blocks += len(spans)
-        cycles += len(spans) * none + (one - none) * int(np.sum(spans[:, 1] - spans[:, 0])) // select.UNROLL
-        cycles += fill_and_drain(sched)
-    return dataclasses.replace(report, steps=blocks, cycles=cycles, call_bytes=report.call_bytes * (step + 1))
+
+    def trips(kv_start, kv_end):
+        spans = select.spans(kv_start, kv_end, shape[4]).reshape(-1, 2)
+        return (spans[:, 1] - spans[:, 0]) // select.UNROLL  # spans are whole counting trips: exact
+
+    return _chunk_calls(report, sched, family, path, shape, plan, bounds, trips)
 
 
 def sparse_report(report: KernelReport, sched: schedule.Schedule, family: str, path: str, shape,
@@ -474,7 +472,9 @@ def _step_schedule(sched: schedule.Schedule, kernel: str, family: str, path: str
         return sched.with_trips(_threshold_groups(family, path, shape[4]))
     if kernel == "topk_select":
         select = importlib.import_module(f"{family}._select")
-        return sched.with_trips(select.geometry(shape[4], 1, "float32")[0] // select.SUBLANES // select.UNROLL)
+        return sched.with_trips(
+            select.geometry(shape[4], 1, "float32")[0] // select.SUBLANES // select.UNROLL
+        )
     return sched
 
 

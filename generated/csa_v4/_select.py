@@ -31,6 +31,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -91,7 +92,15 @@ def _each(lo, hi, body, carry=None, unroll=UNROLL):
     return jax.lax.fori_loop(lo + trips * unroll, hi, body, carry)
 
 
-def _tree_sum(xs):
+def int_keys(x):
+    """int32 keys of float32 scores ``x`` in their total order (-0.0 below +0.0), ``INT_MIN`` for a
+    non-finite score (masked, NaN, inf: never a visible block), below every other."""
+    b = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(jnp.abs(x) < jnp.inf, jnp.where(b < 0, b ^ 0x7FFFFFFF, b), INT_MIN)
+
+
+def tree_sum(xs):
+    """The arrays ``xs`` summed pairwise, log2 deep (a pass over many vregs is not one long chain)."""
     while len(xs) > 1:
         xs = [a + b for a, b in zip(xs[::2], xs[1::2])] + xs[len(xs) - len(xs) % 2 :]
     return xs[0]
@@ -103,7 +112,7 @@ def _count(ref, lo, hi, predicate):
     def body(j, acc):
         v = lo + j * COUNT_UNROLL
         hits = [predicate(ref[_rows(v + u), :]).astype(jnp.int32) for u in range(COUNT_UNROLL)]
-        return acc + _tree_sum(hits)
+        return acc + tree_sum(hits)
 
     acc = jax.lax.fori_loop(0, (hi - lo) // COUNT_UNROLL, body, jnp.zeros((SUBLANES, ROWS), jnp.int32))
     return jnp.sum(acc, axis=0, keepdims=True)  # lo and hi are whole count trips (``spans``)
@@ -125,10 +134,7 @@ def _kernel(spans_ref, scores_ref, *refs, top_k, bits, packed, n, steps, unrolle
     )
 
     def to_keys(v, _):
-        x = scores_ref[_rows(v), :].astype(jnp.float32)
-        b = jax.lax.bitcast_convert_type(x, jnp.int32)
-        key = jnp.where(jnp.abs(x) < jnp.inf, jnp.where(b < 0, b ^ 0x7FFFFFFF, b), INT_MIN)
-        key_ref[_rows(v), :] = key
+        key_ref[_rows(v), :] = int_keys(scores_ref[_rows(v), :].astype(jnp.float32))
         return _
 
     _each(lo, hi, to_keys, unroll=unroll)
@@ -276,20 +282,27 @@ def _kernel(spans_ref, scores_ref, *refs, top_k, bits, packed, n, steps, unrolle
         out[...] = x[0:n, :]
 
 
-def spans(kv_start, kv_end, width: int, rows: int):
-    """Per block of ``ROWS`` rows, flat: the vregs [first, end) holding any block one of its rows sees,
-    whole counting trips (0, 0 where none; the rows padding the last block see nothing)."""
-    total = _geometry.round_up(rows, ROWS)
-    lo, hi = jnp.clip(kv_start, 0, width), jnp.clip(kv_end, 0, width)
+def visible_range(kv_start, kv_end, width: int, block_rows: int):
+    """Per block of ``block_rows`` rows (``kv_start``, ``kv_end``: [rows], numpy or jax): (lo, hi), the
+    blocks any of its rows sees (lo >= hi where none does; the rows padding the last block see nothing)."""
+    xp = np if isinstance(kv_start, np.ndarray) else jnp
+    lo, hi = xp.clip(kv_start, 0, width), xp.clip(kv_end, 0, width)
     seen = hi > lo
-    lo = (
-        jnp.pad(jnp.where(seen, lo, width), (0, total - rows), constant_values=width).reshape(-1, ROWS).min(1)
-    )
-    hi = jnp.pad(jnp.where(seen, hi, 0), (0, total - rows)).reshape(-1, ROWS).max(1)
+    pad = [(0, -lo.shape[0] % block_rows)]
+    lo = xp.pad(xp.where(seen, lo, width), pad, constant_values=width).reshape(-1, block_rows).min(axis=1)
+    hi = xp.pad(xp.where(seen, hi, 0), pad).reshape(-1, block_rows).max(axis=1)
+    return lo, hi
+
+
+def spans(kv_start, kv_end, width: int):
+    """Per block of ``ROWS`` rows, flat: the vregs [first, end) holding any block one of its rows sees,
+    whole counting trips (0, 0 where none). numpy or jax, as ``kv_start`` is."""
+    xp = np if isinstance(kv_start, np.ndarray) else jnp
+    lo, hi = visible_range(kv_start, kv_end, width, ROWS)
     trip = SUBLANES * COUNT_UNROLL
-    first = jnp.where(hi > lo, lo // trip * COUNT_UNROLL, 0)
-    end = jnp.where(hi > lo, -(-hi // trip) * COUNT_UNROLL, 0)
-    return jnp.stack([first, end], 1).reshape(-1).astype(jnp.int32)
+    first = xp.where(hi > lo, lo // trip * COUNT_UNROLL, 0)
+    end = xp.where(hi > lo, -(-hi // trip) * COUNT_UNROLL, 0)
+    return xp.stack([first, end], 1).reshape(-1).astype(xp.int32)
 
 
 def select(scores, top_k, interpret=False, name="topk_select", kv_start=None, kv_end=None):
@@ -302,7 +315,7 @@ def select(scores, top_k, interpret=False, name="topk_select", kv_start=None, kv
     transposed = jnp.pad(scores, ((0, total - rows), (0, padded - width)), constant_values=-jnp.inf).T
     if kv_start is None:
         kv_start, kv_end = jnp.zeros(rows, jnp.int32), jnp.full(rows, width, jnp.int32)
-    bounds = spans(kv_start, kv_end, width, rows)
+    bounds = spans(kv_start, kv_end, width)
     arrays, outputs = (2, 1) if packed else (3, 2)
     bits = _PACKED_BITS if jnp.dtype(scores.dtype) == jnp.bfloat16 else 32
     height = max(padded, n) + SUBLANES

@@ -111,16 +111,12 @@ THRESHOLD_LANES = 2048
 THRESHOLD_UNROLL = 4  # lane slices a loop trip, where the row has that many
 THRESHOLD_BLOCK_BYTES = 4 * 2**20
 THRESHOLD_MIN_ROWS, THRESHOLD_MAX_ROWS = 8, 64
-_INT_MIN = -(2**31)
+_INT_MIN = _select.INT_MIN
 
 
 def _lane_sum(x):
-    """int32 [rows, n * 128] summed into [rows, 128]: whole lane groups added pairwise (a tree, so the
-    adds are log2 n deep, not n: a pass over a wide block is not one long chain), no relayout."""
-    groups = [x[:, j * 128 : (j + 1) * 128] for j in range(x.shape[1] // 128)]
-    while len(groups) > 1:
-        groups = [a + b for a, b in zip(groups[::2], groups[1::2])] + groups[len(groups) - len(groups) % 2 :]
-    return groups[0]
+    """int32 [rows, n * 128] summed into [rows, 128]: whole lane groups added as a tree, no relayout."""
+    return _select.tree_sum([x[:, j * 128 : (j + 1) * 128] for j in range(x.shape[1] // 128)])
 
 
 def _threshold_kernel(spans_ref, scores_ref, out_ref, keys_ref, *, top_k, bits, lanes, unroll):
@@ -149,9 +145,9 @@ def _threshold_kernel(spans_ref, scores_ref, out_ref, keys_ref, *, top_k, bits, 
         return jax.lax.fori_loop(first, end, group, n)
 
     def to_keys(c, visible):
-        x = scores_ref[:, pl.ds(pl.multiple_of(c * lanes, lanes), lanes)].astype(jnp.float32)
-        b = jax.lax.bitcast_convert_type(x, jnp.int32)
-        key = jnp.where(jnp.abs(x) < jnp.inf, jnp.where(b < 0, b ^ 0x7FFFFFFF, b), _INT_MIN)
+        key = _select.int_keys(
+            scores_ref[:, pl.ds(pl.multiple_of(c * lanes, lanes), lanes)].astype(jnp.float32)
+        )
         keys_ref[:, pl.ds(pl.multiple_of(c * lanes, lanes), lanes)] = key
         return visible + _lane_sum((key != _INT_MIN).astype(jnp.int32))
 
@@ -191,12 +187,7 @@ def threshold_spans(kv_start, kv_end, width):
     (0, 0 for a block none of whose rows sees any; the rows padding the last block see nothing)."""
     _, lanes, unroll, block_rows = threshold_geometry(width)
     xp = np if isinstance(kv_start, np.ndarray) else jnp
-    lo, hi = xp.clip(kv_start, 0, width), xp.clip(kv_end, 0, width)
-    seen = hi > lo
-    total = -(-lo.shape[0] // block_rows) * block_rows
-    pad = [(0, total - lo.shape[0])]
-    lo = xp.pad(xp.where(seen, lo, width), pad, constant_values=width).reshape(-1, block_rows).min(axis=1)
-    hi = xp.pad(xp.where(seen, hi, 0), pad).reshape(-1, block_rows).max(axis=1)
+    lo, hi = _select.visible_range(kv_start, kv_end, width, block_rows)
     group = lanes * unroll
     first = xp.where(hi > lo, lo // group, 0)
     end = xp.where(hi > lo, -(-hi // group), 0)
