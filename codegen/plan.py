@@ -321,14 +321,15 @@ def build(variant: Variant) -> VariantPlan:
             inputs=forward_inputs,
             outputs=(blocks["out"],),
             scratch=(),
-            # the logits stream out of the MXU into the head sum: only that sum (and, over chunks, its
-            # running total) and the scores are whole, except at HIGHEST, where float32 operands go as
-            # bfloat16 passes and the compiler holds the block's logits whole (7x: the all-heads
-            # 128 x 1024 float32 forward needs over 32 MiB)
+            # the logits stream out of the MXU into the head sum a group of heads at a time: that group's
+            # logits, the sum (and, over chunks, its running total) and the scores are whole (v5e's
+            # compiler: 17.3 MiB at 256 x 2048 / 128, 19.6 at / 256, all heads), except at HIGHEST, where
+            # float32 operands go as bfloat16 passes and the compiler holds the block's logits whole (7x:
+            # the all-heads 128 x 1024 float32 forward needs over 32 MiB)
             temporaries=(stacked_q, tile, tile)
             + ((tile,) if chunked else ())
             + k_tile
-            + (whole_logits if highest_f32 else ()),
+            + (whole_logits if highest_f32 else (logits,)),
             skip=_skip(forward_grid, "j", "i", "w_lo", "w_hi"),
             # relu, weight multiply, head sum; the mask once, on the scores
             work=Work(mxu_passes=1, vpu_ops=3, useful_passes=1, mask_per_chunk=False),
