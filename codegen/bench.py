@@ -29,11 +29,15 @@ SHAPES = ((1, 64, 8192, 128, 2048, 512), (1, 64, 32768, 128, 8192, 1024))
 VARIANT_CASES = (
     "score.unmasked", "score.causal", "score.masked", "score.band8", "score.band4", "score.band2",
     "grad.unmasked", "grad.causal",
-    "topk", "topk.lax", "topk.approx", "sparse", "sparse.grad", "loss.dense", "loss.sparse",
+    "topk", "topk.sharded", "topk.lax", "topk.approx", "sparse", "sparse.grad", "loss.dense", "loss.sparse",
 )  # fmt: skip
 # Once per shape (``stacked`` always: the ratios are read against it), and the calibration once a run.
 PEER_CASES = ("stacked", "xla", "xla.grad", "xla_sparse", "xla_sparse.grad", "matmul")
 CASES = VARIANT_CASES + PEER_CASES
+# Only when asked for: on a v5e (JAX 0.10.2) a run with topk.sharded at S 32768 timed nothing within
+# 200 s, though its program compiles for v5e in 16 s ahead of time and runs interpreted on a CPU.
+OPT_IN_CASES = ("topk.sharded",)
+DEFAULT_CASES = tuple(c for c in CASES if c not in OPT_IN_CASES)
 # ``--rank``: each candidate tiling's causal forward and forward + gradient; ranked by the second.
 RANK_CASES = ("stacked", "score.causal", "grad.causal")
 RANK_BY = "grad.causal"
@@ -394,6 +398,12 @@ class Bench:
             self.add(shape, "topk", f"{name} score_topk",
                      lambda q, k, w, s, e: module.score_topk(q, k, w, top_k, kv_start=s, kv_end=e, k_scale=k_scale),
                      (*args, *causal), selection)  # fmt: skip
+        if "topk.sharded" in cases:  # the same on a one-device mesh: what the shard_map around it costs
+            mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+            self.add(shape, "topk.sharded", f"{name} sharded_score_topk, one device",
+                     lambda q, k, w, s, e: module.sharded_score_topk(
+                         q, k, w, top_k, mesh=mesh, kv_start=s, kv_end=e, k_scale=k_scale),
+                     (*args, *causal), selection)  # fmt: skip
         if "topk.lax" in cases:
             self.add(shape, "topk.lax", f"{name} score + lax.top_k",
                      lambda *a: jax.lax.top_k(score(*a), top_k), (*args, *causal), selection)  # fmt: skip
@@ -442,23 +452,26 @@ class Bench:
 
 def ranking(saved: dict, variant: str, tilings: dict[str, tuple[int, int, int]]) -> str:
     """A ``--rank`` run's candidates (``tilings``: name -> block_q, block_w, compute_w), fastest
-    ``RANK_BY`` first, as markdown; a candidate with no time (it failed, or did not fit) last."""
+    ``RANK_BY`` first, as markdown, a column per case the run timed (``--cases`` may add to
+    ``RANK_CASES``); a candidate with no time (it failed, or did not fit) last."""
     by = {}
     for r in saved["results"]:
         if r["subject"] in tilings:
             by.setdefault(r["subject"], {})[r["case"]] = r["ms"]
+    timed = {c for times in by.values() for c in times}
+    columns = [c for c in VARIANT_CASES if c in timed and c != RANK_BY] + [RANK_BY]
     order = sorted(tilings, key=lambda n: (by.get(n, {}).get(RANK_BY) is None, by.get(n, {}).get(RANK_BY) or 0))
     best = next((by[n][RANK_BY] for n in order if by.get(n, {}).get(RANK_BY)), None)
     lines = [
         f"{variant}'s tilings ranked on the chip by {RANK_BY} (ms, median; {saved.get('chip', '?')}, "
         f"JAX {saved.get('jax', '?')})",
         "",
-        "| rank | variant | block_q x block_w / compute_w | " + " | ".join(c for c in RANK_CASES[1:]) + " | x best |",
-        "|---|---|---|" + "---:|" * len(RANK_CASES),
+        "| rank | variant | block_q x block_w / compute_w | " + " | ".join(columns) + " | x best |",
+        "|---|---|---|" + "---:|" * (len(columns) + 1),
     ]
     for n, name in enumerate(order, 1):
         times = by.get(name, {})
-        cells = [f"{times[c]:.3f}" if times.get(c) else "-" for c in RANK_CASES[1:]]
+        cells = [f"{times[c]:.3f}" if times.get(c) else "-" for c in columns]
         ratio = f"{times[RANK_BY] / best:.2f}" if times.get(RANK_BY) and best else "-"
         q, w, c = tilings[name]
         lines.append(f"| {n} | {name} | {q} x {w} / {c} | " + " | ".join(cells) + f" | {ratio} |")

@@ -284,7 +284,8 @@ def test_no_score_array_and_no_wide_sort_at_s65536_w16384(gradient):
     fn = jax.grad(loss, argnums=(0, 1, 2)) if gradient else forward
     lowered = support.lower_tpu(fn, *args).compiler_ir("stablehlo")
     chunk = topk_module.queries_per_chunk(batch, seq_len, num_blocks, block_q=v["block_q"])
-    assert chunk == 1280  # five 256-query tiles: 1280 x 16384 scores, 6 words each, in 512 MiB
+    # 1280 x 16384 scores (five 256-query tiles), 6 words each, fit 512 MiB; S / 64 = 1024 tiles S evenly
+    assert chunk == 1024
     sorts, largest = [], 0  # largest: of the values with a W axis last (the scores of a chunk)
     for op in _walk(lowered):
         for value in list(op.operation.results) + list(op.operation.operands):

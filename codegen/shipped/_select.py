@@ -5,16 +5,17 @@ indices in score order, with no sort of W entries and no gather.
 Per block, all in VMEM, every step a vreg at a time (eight compressed blocks of the 128 rows):
 
 1. keys: each score's float32 bits as int32 in the scores' total order (``INT_MIN``: not visible);
-2. the threshold: the top_k-th largest key, bit by bit from the top, one counting pass a bit (16 for
-   bfloat16 scores, whose float32 bits end in 16 zeros; 32 otherwise); a row's count is a lane's sum,
-   so no pass reduces across lanes;
+2. the threshold: the top_k-th largest key, two bits at a time from the top, one counting pass of
+   three candidates each (8 passes for bfloat16 scores, whose float32 bits end in 16 zeros; 16
+   otherwise); a row's count is a lane's sum, so no pass reduces across lanes;
 3. what is kept: the blocks above the threshold and, of those at it, the lowest-indexed (``room`` of
    them); each kept block's shift is its index less the kept blocks before it (running counts down
    the sublanes, eight at a time);
 4. compaction by a shift network: bit b of every shift, lowest first, moves a kept block 2^b rows up.
    Taken lowest bit first, two kept blocks never land on one row (a later block's shift exceeds an
    earlier one's by less than the rows between them), so each step is a select per vreg; a bfloat16
-   block's key and index share one int32 (``_PACKED_BITS``), else they travel as two;
+   block's key and index share one int32 (``_PACKED_BITS``), else they travel as two. (Two bits a
+   step, three selects per vreg from three rows below, was 4% slower on a v5e.)
 5. a bitonic sort of the first ``n`` rows (top_k rounded up to a power of two), highest first, a tie
    to the lower index. Row ``8 v + s`` holds sort position ``s * n / 8 + v``, so every compare-exchange
    at a stride below ``n / 8`` pairs two whole vregs, and only the three widest strides rotate sublanes.
@@ -104,16 +105,23 @@ def tree_sum(xs):
     return xs[0]
 
 
-def _count(ref, lo, hi, predicate):
-    """Per lane, how many rows of vregs [lo, hi) of ``ref`` satisfy ``predicate``: int32 [1, 128]."""
+def _counts(ref, lo, hi, predicates):
+    """Per lane, how many rows of vregs [lo, hi) of ``ref`` satisfy each of ``predicates``: int32 [1, 128]
+    each, from one pass over the rows."""
 
     def body(j, acc):
         v = lo + j * COUNT_UNROLL
-        hits = [predicate(ref[_rows(v + u), :]).astype(jnp.int32) for u in range(COUNT_UNROLL)]
-        return acc + tree_sum(hits)
+        keys = [ref[_rows(v + u), :] for u in range(COUNT_UNROLL)]
+        return tuple(a + tree_sum([p(k).astype(jnp.int32) for k in keys]) for a, p in zip(acc, predicates))
 
-    acc = jax.lax.fori_loop(0, (hi - lo) // COUNT_UNROLL, body, jnp.zeros((SUBLANES, ROWS), jnp.int32))
-    return jnp.sum(acc, axis=0, keepdims=True)  # lo and hi are whole count trips (``spans``)
+    zero = jnp.zeros((SUBLANES, ROWS), jnp.int32)
+    acc = jax.lax.fori_loop(0, (hi - lo) // COUNT_UNROLL, body, (zero,) * len(predicates))
+    return [jnp.sum(a, axis=0, keepdims=True) for a in acc]  # lo and hi are whole count trips (``spans``)
+
+
+def _count(ref, lo, hi, predicate):
+    """Per lane, how many rows of vregs [lo, hi) of ``ref`` satisfy ``predicate``: int32 [1, 128]."""
+    return _counts(ref, lo, hi, [predicate])[0]
 
 
 def _kernel(spans_ref, scores_ref, *refs, top_k, bits, packed, n, steps, unrolled):
@@ -138,12 +146,15 @@ def _kernel(spans_ref, scores_ref, *refs, top_k, bits, packed, n, steps, unrolle
     _each(lo, hi, to_keys, unroll=unroll)
     wanted = jnp.minimum(_count(key_ref, lo, hi, lambda k: k != INT_MIN), top_k)
 
-    def search(bit, t):  # t: the threshold's bits so far, unsigned order in int32
-        candidate = t | jax.lax.shift_left(jnp.int32(1), 31 - bit)
-        enough = _count(key_ref, lo, hi, lambda k: k >= (candidate ^ INT_MIN)) >= wanted
-        return jnp.where(enough, candidate, t)
+    def search(digit, t):  # t: the threshold's bits so far, unsigned order in int32; two more a pass
+        low = 30 - 2 * digit
+        candidates = [t | jax.lax.shift_left(jnp.int32(m), low) for m in (1, 2, 3)]
+        counts = _counts(key_ref, lo, hi, [lambda k, c=c: k >= (c ^ INT_MIN) for c in candidates])
+        for c, count in zip(candidates, counts):  # the counts fall as the candidates rise
+            t = jnp.where(count >= wanted, c, t)
+        return t
 
-    t = jax.lax.fori_loop(0, bits, search, jnp.zeros((1, ROWS), jnp.int32))
+    t = jax.lax.fori_loop(0, bits // 2, search, jnp.zeros((1, ROWS), jnp.int32))
     if bits < 32:  # the low bits as the 32-bit search sets them (``_topk._fill_low_bits``)
         t = jnp.where((wanted == 0) | (t >= 0), t | ((1 << (32 - bits)) - 1), t)
     threshold = t ^ INT_MIN
