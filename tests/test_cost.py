@@ -108,9 +108,10 @@ def test_head_major_bf16_chunked():
     assert fwd.min_hbm_bytes == 3688448
     # VMEM: 2 * (1048576 + 262144 + 65536 + 65536 + 262144) = 3407872, no scratch; a chunk's stacked q
     # [16 * 128, 128] bf16 524288; 3 f32 tiles of one compute block (the whole tile) [128, 1024]: the
-    # chunk's head sum, the running sum over chunks, the scores: 3 * 524288.
-    assert fwd.vmem_bytes == 3407872 + 524288 + 3 * 524288
-    assert fwd.vmem_bytes_unpadded == 2 * (1048576 + 262144 + 8192 + 1024 + 262144) + 4 * 524288
+    # chunk's head sum, the running sum over chunks, the scores: 3 * 524288; a head group's float32
+    # logits between the matmul and the head sum, [16, 128, 1024] 8388608.
+    assert fwd.vmem_bytes == 3407872 + 524288 + 3 * 524288 + 8388608
+    assert fwd.vmem_bytes_unpadded == 2 * (1048576 + 262144 + 8192 + 1024 + 262144) + 4 * 524288 + 8388608
     # 2*32*256*2048*128 = 2**32 matmul, 3*32*256*2048 = 3 * 2**24 elementwise, the mask once on
     # 256*2048 entries: 6 * 2**19.
     assert (fwd.flops, fwd.mxu_flops) == (2**32 + 3 * 2**24 + 6 * 2**19, 2**32)
@@ -228,7 +229,7 @@ def test_tiling_matches_generated_modules():
 
 def test_vmem_footprints_are_full_tiles():
     assert cost.vmem_footprints(HM_BF16, 32, 128) == {  # see test_head_major_bf16_chunked
-        "forward": 3407872 + 524288 + 3 * 524288,
+        "forward": 3407872 + 524288 + 3 * 524288 + 8388608,
         "dq_dweights": 3407872 + 1048576 + 524288 + 8388608 + 4194304 + 524288,
         "dk": 2818048 + 524288 + 524288 + 8388608 + 2 * 4194304 + 524288,
     }
@@ -286,8 +287,8 @@ def test_float8_keys_with_scale():
     # VMEM: 2 * (524288 + 131072 + weights [2, 128, 16 -> 128] bf16 65536 + 65536 + k_scale [1 -> 8, 1024]
     # f32 32768 + 262144) = 2162688; 3 f32 compute-block tiles [128, 1024] 1572864 (a chunk's head sum,
     # the sum over chunks, the scores); bf16 upcasts of a chunk's stacked q [16 * 128, 128] 524288 and of
-    # a compute block of k [1024, 128] 262144.
-    assert fwd.vmem_bytes == 2162688 + 1572864 + 524288 + 262144
+    # a compute block of k [1024, 128] 262144; a head group's float32 logits [16, 128, 1024] 8388608.
+    assert fwd.vmem_bytes == 2162688 + 1572864 + 524288 + 262144 + 8388608
     # Min bytes of dq_dweights: q 32*256*128*1 = 1048576, k 262144, weights 16384, kv 2048, k_scale 2048*4,
     # g 1048576, dq in bf16 2097152, dweights 16384.
     assert dq.fetches["dq"] == 4
