@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import pytest
 
 from codegen import cli, compiled, load, pipeline, tuning
 from tests.spec_cases import SPEC_PATH, edited, family
