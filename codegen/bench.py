@@ -24,12 +24,24 @@ import numpy as np
 
 # The default shapes (B, H, S, D, W, top_k): DeepSeek-V4 prefill, and a four times longer context.
 SHAPES = ((1, 64, 8192, 128, 2048, 512), (1, 64, 32768, 128, 8192, 1024))
+# And for the sparse stage, where top_k is a sixteenth of W, only these cases: the sparse kernels and
+# the dense score they would replace, timed side by side.
+SPARSE_SHAPES = ((1, 64, 8192, 128, 2048, 128), (1, 64, 16384, 128, 8192, 512))
+SPARSE_SHAPE_CASES = frozenset(
+    ("stacked", "score.causal", "grad.causal", "sparse", "sparse.grad", "sparse.shared",
+     "sparse.shared.grad", "xla_sparse", "xla_sparse.grad")
+)  # fmt: skip
+# A shared selection (``shared_selection``): each query's last top_k - SHARED_OTHERS visible blocks
+# and SHARED_OTHERS more drawn from the rest of its visible range, as neighbouring queries' picks
+# overlap in a trained indexer.
+SHARED_OTHERS = 16
 # Per production variant: ``score`` (forward) on three masks and three bands, forward + gradient on two, the selection
 # three ways, the sparse score and the indexer loss.
 VARIANT_CASES = (
     "score.unmasked", "score.causal", "score.masked", "score.band8", "score.band4", "score.band2",
     "grad.unmasked", "grad.causal",
-    "topk", "topk.sharded", "topk.lax", "topk.approx", "sparse", "sparse.grad", "loss.dense", "loss.sparse",
+    "topk", "topk.sharded", "topk.lax", "topk.approx", "sparse", "sparse.grad", "sparse.shared",
+    "sparse.shared.grad", "loss.dense", "loss.sparse",
 )  # fmt: skip
 # Once per shape (``stacked`` always: the ratios are read against it), and the calibration once a run.
 PEER_CASES = ("stacked", "xla", "xla.grad", "xla_sparse", "xla_sparse.grad", "matmul")
@@ -176,7 +188,7 @@ class Problem:
         self.selection: Callable | None = None  # makes the causal scores the selection is taken from
         self.selection_shape = (batch, seq_len, top_k)
         self.abstract_indices = jax.ShapeDtypeStruct(self.selection_shape, jnp.int32)
-        self._indices = None
+        self._indices = self._shared = None
         self.package = package
 
     @property
@@ -190,6 +202,27 @@ class Problem:
         return self._indices
 
     @property
+    def shared_indices(self):
+        """``shared_selection`` of the causal bounds, in ``lax.top_k`` order of the causal scores: int32
+        ``[B, S, top_k]``, made on first use."""
+        import jax
+        import jax.numpy as jnp
+
+        if self._shared is None:
+            chosen = shared_selection(*(np.asarray(b) for b in self.bounds["causal"]), self.top_k)
+            scores = jnp.take_along_axis(self.selection(), jnp.maximum(jnp.asarray(chosen), 0), axis=2)
+            scores = jnp.where(jnp.asarray(chosen) >= 0, scores.astype(jnp.float32), -jnp.inf)
+            order = jax.lax.top_k(scores, self.top_k)[1]
+            self._shared = jax.block_until_ready(jnp.take_along_axis(jnp.asarray(chosen), order, axis=2))
+            self._shared_selected = int((chosen >= 0).sum())
+        return self._shared
+
+    @property
+    def shared_selected(self) -> int:
+        self.shared_indices  # noqa: B018 - made with its count
+        return self._shared_selected
+
+    @property
     def selected(self) -> int:
         """The selection's slots that hold a block (counted once, with the selection)."""
         self.indices  # noqa: B018 - makes the selection, and its count, on first use
@@ -198,6 +231,24 @@ class Problem:
     def flops(self, pairs: int, passes: int = 1) -> float:
         _, heads, _, head_dim, _, _ = self.shape
         return 2.0 * heads * head_dim * pairs * passes
+
+
+def shared_selection(kv_start, kv_end, top_k: int, seed: int = 0) -> np.ndarray:
+    """Each query's last ``top_k - SHARED_OTHERS`` visible blocks and ``SHARED_OTHERS`` others drawn
+    uniformly (numpy, ``seed``) from the rest of its visible range [kv_start, kv_end), every visible
+    block where there are at most top_k, -1 in the slots left: int32 ``[B, S, top_k]``, unordered."""
+    rng = np.random.default_rng(seed)
+    start, end = np.asarray(kv_start, np.int64), np.asarray(kv_end, np.int64)
+    out = np.full(start.shape + (top_k,), -1, np.int32)
+    last = max(top_k - SHARED_OTHERS, 0)
+    for row in np.ndindex(*start.shape):
+        lo, hi = start[row], end[row]
+        if hi - lo <= top_k:
+            out[row][: max(hi - lo, 0)] = np.arange(lo, hi)
+            continue
+        out[row][:last] = np.arange(hi - last, hi)
+        out[row][last:] = lo + np.sort(rng.choice(hi - last - lo, top_k - last, replace=False))
+    return out
 
 
 def band_bounds(seq_len: int, num_blocks: int, fraction: int) -> tuple[np.ndarray, np.ndarray]:
@@ -312,7 +363,9 @@ class Bench:
     def run(self, shapes) -> list[Result]:
         if "matmul" in self.cases:
             self.calibrate()
+        asked = self.cases
         for shape in shapes:
+            self.cases = asked & SPARSE_SHAPE_CASES if shape in SPARSE_SHAPES else asked
             problems: dict[tuple, Problem] = {}
 
             def problem(inputs: dict) -> Problem:  # one set of inputs per layout and dtypes
@@ -326,6 +379,7 @@ class Bench:
             for name, module in self.production:
                 self.variant(shape, name, module, problem(module.VARIANT))
             self.sparse_peers(shape, peer)
+        self.cases = asked
         self.compile()
         for case in self.planned:
             self.time(case) if isinstance(case, Case) else self.record(case)
@@ -426,12 +480,13 @@ class Bench:
                 (*args, *causal),
                 p.flops(p.pairs["causal"], 5),
             )
-        if not {"sparse", "sparse.grad", "loss.sparse", "xla_sparse", "xla_sparse.grad"} & cases:
+        if not {"sparse", "sparse.grad", "sparse.shared", "sparse.shared.grad", "loss.sparse", "xla_sparse",
+                "xla_sparse.grad"} & cases:  # fmt: skip
             return
         # Each query's top_k of its causal scores, as the indexer selects them: made by this variant's
         # forward when the first sparse case runs (the layouts' scores are the same function).
         p.selection = p.selection or (lambda: forward(*args, *causal))
-        sparse = lambda q, k, w, i: module.sparse_score(q, k, w, i, k_scale=k_scale)
+        sparse = lambda q, k, w, i: module.sparse_score(q, k, w, i, k_scale=k_scale, route="sparse")
         with_indices = lambda *lead: (lambda: (*lead, p.indices))
         abstract = p.abstract_indices
         if "sparse" in cases:
@@ -441,10 +496,19 @@ class Bench:
             cotangent = np.ones(p.selection_shape, np.float32)
             self.add(shape, "sparse.grad", f"{name} sparse_score", with_gradient(sparse),
                      with_indices(*args, cotangent), lambda: p.flops(p.selected, 5), (*args, cotangent, abstract))  # fmt: skip
+        # the same kernels on a selection neighbouring queries share (``shared_selection``)
+        shared = lambda *lead: (lambda: (*lead, p.shared_indices))
+        if "sparse.shared" in cases:
+            self.add(shape, "sparse.shared", f"{name} sparse_score, shared selection", sparse, shared(*args),
+                     lambda: p.flops(p.shared_selected), (*args, abstract))  # fmt: skip
+        if "sparse.shared.grad" in cases:
+            cotangent = np.ones(p.selection_shape, np.float32)
+            self.add(shape, "sparse.shared.grad", f"{name} sparse_score, shared selection", with_gradient(sparse),
+                     shared(*args, cotangent), lambda: p.flops(p.shared_selected, 5), (*args, cotangent, abstract))  # fmt: skip
         if "loss.sparse" in cases:
             sparse_target = jnp.full(p.selection_shape, 1.0 / top_k, jnp.float32)
             loss = lambda q, k, w, i: jax.value_and_grad(
-                lambda q, k, w: module.indexer_loss(q, k, w, sparse_target, indices=i, k_scale=k_scale), argnums=(0, 1, 2)
+                lambda q, k, w: module.indexer_loss(q, k, w, sparse_target, indices=i, k_scale=k_scale, route="sparse"), argnums=(0, 1, 2)
             )(q, k, w)
             self.add(shape, "loss.sparse", f"{name} indexer_loss", loss, with_indices(*args),
                      lambda: p.flops(p.selected, 5), (*args, abstract))  # fmt: skip

@@ -520,7 +520,7 @@ def _bench(args: argparse.Namespace) -> int:
         shapes = (
             [(*args.shape, args.top_k)]
             if args.shape
-            else list(bench.SHAPES[:1] if args.rank else bench.SHAPES)
+            else list(bench.SHAPES[:1] if args.rank else bench.SHAPES + bench.SPARSE_SHAPES)
         )
         run = bench.Bench(package, production, asked or set(bench.DEFAULT_CASES), args.calls)
         saved = {

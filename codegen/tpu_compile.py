@@ -220,7 +220,7 @@ def _variant_program(request: Request):
         if request.program == "topk":
             return module.score_topk(q, k, w, request.top_k, **kw)
         if sparse:
-            return module.sparse_score(q, k, w, kw.pop("indices"), **kw)
+            return module.sparse_score(q, k, w, kw.pop("indices"), route="sparse", **kw)
         return module.score(q, k, w, **kw)
 
     def loss(q, k, w, *rest):

@@ -141,3 +141,21 @@ def test_production_names_emitted_variants_one_per_layout():
 
     assert PRODUCTION and all(name in VARIANTS for name in PRODUCTION)
     assert len({VARIANTS[name].VARIANT["q_layout"] for name in PRODUCTION}) == len(PRODUCTION)
+
+
+def test_shared_selection_takes_each_querys_last_blocks_and_others_from_its_range():
+    """The sparse stage's shared selection: a query seeing at most top_k blocks gets them all, then -1;
+    one seeing more its last top_k - 16 and 16 distinct others from the rest of its range; the same
+    draw for the same seed."""
+    start = np.array([[0, 0, 5, 0]])
+    end = np.array([[0, 20, 30, 100]])
+    out = bench.shared_selection(start, end, 24)
+    assert out.dtype == np.int32 and out.shape == (1, 4, 24)
+    assert (out[0, 0] == -1).all()
+    assert list(out[0, 1]) == list(range(20)) + [-1] * 4
+    # 25 visible: the last 8, then 16 of the 17 before them
+    assert list(out[0, 2, :8]) == list(range(22, 30)) and len(set(out[0, 2, 8:]) & set(range(5, 22))) == 16
+    last, others = out[0, 3, :8], out[0, 3, 8:]
+    assert list(last) == list(range(92, 100))
+    assert len(set(others)) == 16 and others.min() >= 0 and others.max() < 92
+    np.testing.assert_array_equal(bench.shared_selection(start, end, 24), out)

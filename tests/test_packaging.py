@@ -49,8 +49,9 @@ def test_templates_load_from_the_package_not_the_working_directory(tmp_path, mon
 # in windows past VMEM, each window's spans of slots and several dk accumulators, in each of the four
 # sparse modules; 9536 with the shipped runtime split into modules by concern, a header and imports each;
 # 9611 with the compute blocks as a loop and reads parked where a q block has no work; 9983 with the
-# in-VMEM selection kernel, ``_select``, one shipped module.)
-GENERATED_LINES_CAP = 10020
+# in-VMEM selection kernel, ``_select``, one shipped module; 10063 with sparse_score's route, a few
+# lines a variant.)
+GENERATED_LINES_CAP = 10080
 
 
 def test_generated_code_stays_written_once():

@@ -54,13 +54,22 @@ def _gathered(dense, indices):
     )
 
 
+# The dense route (the score of every block, the selected ones taken from it), for a float8 and a
+# bfloat16 variant of each q layout: the same reference, the same tolerances.
+DENSE_ROUTE = ("tpu_sm_fp8_q256_w2048c512_hc16", "tpu_hm_bf16_q256_w2048c512_hcall")
+
+
 @pytest.mark.chip
 @pytest.mark.parametrize(
-    "name, windows",
-    [(n, 1) for n in SPARSE_MODULES] + [(n, 3) for n in ONE_PER_SPARSE_KERNELS],
-    ids=[f"{n}-resident_k" for n in SPARSE_MODULES] + [f"{n}-k_in_windows" for n in ONE_PER_SPARSE_KERNELS],
+    "name, windows, route",
+    [(n, 1, "sparse") for n in SPARSE_MODULES]
+    + [(n, 3, "sparse") for n in ONE_PER_SPARSE_KERNELS]
+    + [(n, 1, "dense") for n in DENSE_ROUTE],
+    ids=[f"{n}-resident_k" for n in SPARSE_MODULES]
+    + [f"{n}-k_in_windows" for n in ONE_PER_SPARSE_KERNELS]
+    + [f"{n}-dense_route" for n in DENSE_ROUTE],
 )
-def test_sparse_score_and_its_gradients_match_the_reference_gathered(name, windows, monkeypatch):
+def test_sparse_score_and_its_gradients_match_the_reference_gathered(name, windows, route, monkeypatch):
     """Against the dense reference at the indices: with all of k resident (a variant per layout, dtype
     policy and backward), and with k in three windows (one call per window, each seeing its slots; W
     past the VMEM that holds it, on a small VMEM), which the sparse kernel module's own code decides:
@@ -77,7 +86,7 @@ def test_sparse_score_and_its_gradients_match_the_reference_gathered(name, windo
 
     def sparse(q, k, weights, *k_scale):
         extra = {"k_scale": k_scale[0]} if k_scale else {}
-        return module.sparse_score(q, k, weights, indices, interpret=support.INTERPRET, **extra)
+        return module.sparse_score(q, k, weights, indices, route=route, interpret=support.INTERPRET, **extra)
 
     out, vjp = jax.vjp(sparse, *args)
     assert out.dtype == jnp.dtype(variant["out_dtype"]) and out.shape == (batch, seq_len, TOP_K)
@@ -118,7 +127,7 @@ def test_sparse_kernels_under_the_tpu_interpreter(windows, monkeypatch):
     q, k, weights = support.make_inputs(variant, shape, seed=3)
     indices = _indices(1, 9, 20, 5, seed=4)
     sparse = lambda q, k, weights: module.sparse_score(
-        q, k, weights, indices, interpret=support.tpu_interpret_params()
+        q, k, weights, indices, route="sparse", interpret=support.tpu_interpret_params()
     ).astype(jnp.float32)
     out, vjp = jax.vjp(sparse, q, k, weights)
     grads = vjp(jnp.where(jnp.isfinite(out), 1.0, 0.0))
@@ -142,7 +151,7 @@ def _lowered_loss(module, shape, top_k):
 
     def losses(q, k, weights):
         sparse = module.indexer_loss(
-            q, k, weights, target, indices=indices, kv_start=kv_start, kv_end=kv_end, **scale
+            q, k, weights, target, indices=indices, kv_start=kv_start, kv_end=kv_end, route="sparse", **scale
         )
         dense = module.indexer_loss(q, k, weights, dense_target, kv_start=kv_start, kv_end=kv_end, **scale)
         return sparse + dense
@@ -198,8 +207,35 @@ def test_sparse_score_checks_indices_and_takes_k_in_windows_past_vmem():
     # A top_k whose gathered rows alone fill VMEM is refused before tracing, naming top_k.
     with pytest.raises(ValueError, match=r"top_k=400000 rows .* use a smaller top_k"):
         jax.eval_shape(
-            lambda q, w: module.sparse_score(q, k, w, jnp.zeros((1, 8, 400000), jnp.int32)), q, weights
+            lambda q, w: module.sparse_score(q, k, w, jnp.zeros((1, 8, 400000), jnp.int32), route="sparse"),
+            q,
+            weights,
         )
+
+
+def test_route_auto_takes_the_sparse_kernels_past_20_blocks_a_slot():
+    """``route="auto"``: the dense score up to W = 20 top_k (where the sparse kernels were slower on a
+    v5e), the sparse kernels past it; a route that is none of the three is a ValueError before tracing."""
+    assert _helpers.SPARSE_ROUTE_BLOCKS_PER_SLOT == 20
+    assert [_helpers.sparse_route("auto", w, 16) for w in (320, 321)] == ["dense", "sparse"]
+    assert _helpers.sparse_route("dense", 10**6, 1) == "dense" and _helpers.sparse_route("sparse", 1, 8) == "sparse"
+    module = VARIANTS["tpu_hm_bf16_q256_w2048c512_hcall"]
+    q, k, weights = support.make_inputs(module.VARIANT, (1, 16, 8, 128, 64), seed=0)
+    name = module.VARIANT["name"]
+
+    def kernels(top_k):
+        indices = jnp.zeros((1, 8, top_k), jnp.int32)
+        text = support.lower_for_tpu(lambda q, k, w: module.sparse_score(q, k, w, indices), q, k, weights)
+        return f"{name}_forward" in text, "sparse" in text.replace("sparse_score", "")
+
+    assert kernels(4) == (True, False)  # W / top_k = 16: the dense forward, no sparse kernel
+    assert kernels(3) == (False, True)  # 21.3: the sparse kernels only
+    for call in (
+        lambda: module.sparse_score(q, k, weights, jnp.zeros((1, 8, 4), jnp.int32), route="gather"),
+        lambda: module.indexer_loss(q, k, weights, jnp.zeros((1, 8, 64)), route="Sparse"),
+    ):
+        with pytest.raises(ValueError, match="route must be one of 'auto', 'dense', 'sparse'"):
+            call()
 
 
 def _numpy_topk(scores, top_k):
@@ -308,7 +344,7 @@ def test_indexer_loss_matches_a_direct_computation(name):
 
     kwargs = dict(interpret=support.INTERPRET, **scale)
     sparse_loss = lambda q, k, w: module.indexer_loss(
-        q, k, w, target, indices=indices, kv_start=kv_start, kv_end=kv_end, **kwargs
+        q, k, w, target, indices=indices, kv_start=kv_start, kv_end=kv_end, route="sparse", **kwargs
     )
     dense_loss = lambda q, k, w: module.indexer_loss(
         q, k, w, dense_target, kv_start=kv_start, kv_end=kv_end, **kwargs
@@ -416,7 +452,9 @@ for name, shape, top_k in json.loads(sys.argv[1]):
     scale = support.key_scale(module.VARIANT, k)
     indices = jnp.asarray(np.random.default_rng(0).integers(0, shape[4], (shape[0], shape[2], top_k)), jnp.int32)
     dense = lambda q, k, w: jnp.sum(support.call(module, q, k, w, interpret=True).astype(jnp.float32))
-    sparse = lambda q, k, w: jnp.sum(module.sparse_score(q, k, w, indices, interpret=True, **scale).astype(jnp.float32))
+    sparse = lambda q, k, w: jnp.sum(
+        module.sparse_score(q, k, w, indices, route="sparse", interpret=True, **scale).astype(jnp.float32)
+    )
     with mxu_counter.installed():
         count = lambda f: mxu_counter.executed_flops(lambda: jax.grad(f, argnums=(0, 1, 2))(q, k, w))
         if (name, tuple(shape)) not in dense_flops:
@@ -464,7 +502,7 @@ def test_sparse_score_is_deterministic():
     k_scale = support.key_scale(module.VARIANT, k)["k_scale"]
     indices = _indices(1, 9, 20, 6, seed=10)
     sparse = lambda q, k, weights, k_scale: module.sparse_score(
-        q, k, weights, indices, k_scale=k_scale, interpret=support.INTERPRET
+        q, k, weights, indices, k_scale=k_scale, route="sparse", interpret=support.INTERPRET
     )
 
     @jax.jit  # one compiled program of the forward and the backward, run twice

@@ -136,13 +136,14 @@ def sharded_score(
     )  # fmt: skip
 
 
-def sparse_score(q, k, weights, indices, *, k_scale=None, softmax_scale=None, interpret=False):
+def sparse_score(q, k, weights, indices, *, k_scale=None, softmax_scale=None, route="auto", interpret=False):
     """Returns the ``[B, S, top_k]`` bfloat16 score of each query against its selected blocks.
 
     ``out[b, s, j] = score[b, s, indices[b, s, j]]``, -inf where the index is -1 or outside
     [0, W) (both mean "no block"). Differentiable in q, k and weights: duplicate
-    indices add up, empty slots get no gradient. Nothing of size W per query is computed: two Pallas
-    kernels gather each query's top_k rows of k (see ``_sparse_bf16``: k in windows past VMEM).
+    indices add up, empty slots get no gradient. ``route="sparse"``: two Pallas kernels gather each
+    query's top_k rows of k (``_sparse_bf16``), nothing of size W per query; "dense": ``score``
+    of every block, the selected ones taken from it; "auto": sparse past W = 20 top_k (``_helpers``).
 
     Args:
       q, k, weights, softmax_scale, interpret: as for ``score``.
@@ -150,31 +151,31 @@ def sparse_score(q, k, weights, indices, *, k_scale=None, softmax_scale=None, in
 
     Works inside ``jax.shard_map`` on per-device shards, as ``score`` does.
     """
-    return _sparse_score(
-        q, k, weights, indices, k_scale=k_scale, softmax_scale=softmax_scale, interpret=interpret
-    )
+    kwargs = dict(route=route, k_scale=k_scale, softmax_scale=softmax_scale, interpret=interpret)
+    return _helpers.routed_sparse_score(VARIANT, score, _sparse_score, q, k, weights, indices, **kwargs)
 
 
 # score_topk(q, k, weights, top_k, *, kv_start=None, kv_end=None, k_scale=None, softmax_scale=None,
 # interpret=False, working_bytes=512 MiB) -> (int32 indices, bfloat16 scores) [B, S, top_k]: exactly
 # topk_indices(score(...), top_k) and score(...) there, never holding the [B, S, W] scores (``_topk``).
-score_topk = _topk.differentiable(VARIANT, score, sparse_score)
+score_topk = _topk.differentiable(VARIANT, score, functools.partial(sparse_score, route="sparse"))
 # score_topk on a mesh, over sharded_score's batch and context axes (``_topk.sharded``).
 sharded_score_topk = functools.partial(_topk.sharded, VARIANT, score_topk)
 
 
 def indexer_loss(
     q, k, weights, target, *, indices=None, kv_start=None, kv_end=None, k_scale=None, softmax_scale=None,
-    interpret=False,
+    route="auto", interpret=False,
 ):  # fmt: skip
     """DeepSeek's indexer loss, float32: the mean over queries with a non-empty set of
     ``KL(target || softmax(score))`` over the set (see ``_helpers.indexer_loss``).
 
     Dense (``indices=None``): ``target`` is [B, S, W] and the set is the visible blocks of ``score``.
     Sparse: ``target`` is [B, S, top_k], aligned with ``indices``; the set is the slots whose index lies
-    in [0, W) (and in [kv_start, kv_end) where given), scored by ``sparse_score``.
+    in [0, W) (and in [kv_start, kv_end) where given), scored by ``sparse_score`` on ``route``.
     """
+    _helpers.sparse_route(route, 1, 1)  # a bad route is a ValueError, sparse or not
     return _helpers.indexer_loss(
-        VARIANT, score, sparse_score, q, k, weights, target, indices=indices, kv_start=kv_start, kv_end=kv_end,
+        VARIANT, score, functools.partial(sparse_score, route=route), q, k, weights, target, indices=indices, kv_start=kv_start, kv_end=kv_end,
         k_scale=k_scale, softmax_scale=softmax_scale, interpret=interpret,
     )  # fmt: skip

@@ -192,13 +192,13 @@ def test_sparse_score_inside_a_users_shard_map_with_replicated_keys(module, wind
 
     def sharded(**arrays):
         return jax.shard_map(
-            lambda arrays: module.sparse_score(**arrays, interpret=True),
+            lambda arrays: module.sparse_score(**arrays, route="sparse", interpret=True),
             mesh=mesh,
             in_specs=(specs,),
             out_specs=P(None, "seq"),
         )(arrays)
 
-    single = functools.partial(module.sparse_score, interpret=True)
+    single = functools.partial(module.sparse_score, route="sparse", interpret=True)
     out, grads, _ = compiled_vjp(sharded, placed(diff), placed(dict(indices=indices)), cotangent)
     expected_out, expected_grads, _ = compiled_vjp(single, diff, dict(indices=indices), cotangent)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(expected_out, np.float32))
