@@ -48,8 +48,8 @@ def queries_per_chunk(batch, seq_len, num_blocks, working_bytes=DEFAULT_WORKING_
     words per score of the chunk), at most S, a multiple of the variant's ``block_q`` where that fits
     (so its kernels pad nothing), else of ``QUERY_GRANULE``; a divisor of S where one of those is
     within twice the chunks, so that the chunks' results are [B, S, top_k] as they stand (an overlapping
-    last chunk cost 1.2 ms of slicing and concatenation at S 32768, B 1 on a v5e). ValueError when it
-    holds not even one query's."""
+    last chunk cost about 1 ms a call of slicing, padding and concatenation at S 32768, B 1 on a v5e).
+    ValueError when it holds not even one query's."""
     per_query = batch * num_blocks * 4 * WORDS_PER_SCORE
     chunk = working_bytes // per_query
     if chunk < 1:
