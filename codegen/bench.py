@@ -487,30 +487,27 @@ class Bench:
         # forward when the first sparse case runs (the layouts' scores are the same function).
         p.selection = p.selection or (lambda: forward(*args, *causal))
         sparse = lambda q, k, w, i: module.sparse_score(q, k, w, i, k_scale=k_scale, route="sparse")
-        with_indices = lambda *lead: (lambda: (*lead, p.indices))
         abstract = p.abstract_indices
-        if "sparse" in cases:
-            self.add(shape, "sparse", f"{name} sparse_score", sparse, with_indices(*args),
-                     lambda: p.flops(p.selected), (*args, abstract))  # fmt: skip
-        if "sparse.grad" in cases:
-            cotangent = np.ones(p.selection_shape, np.float32)
-            self.add(shape, "sparse.grad", f"{name} sparse_score", with_gradient(sparse),
-                     with_indices(*args, cotangent), lambda: p.flops(p.selected, 5), (*args, cotangent, abstract))  # fmt: skip
-        # the same kernels on a selection neighbouring queries share (``shared_selection``)
-        shared = lambda *lead: (lambda: (*lead, p.shared_indices))
-        if "sparse.shared" in cases:
-            self.add(shape, "sparse.shared", f"{name} sparse_score, shared selection", sparse, shared(*args),
-                     lambda: p.flops(p.shared_selected), (*args, abstract))  # fmt: skip
-        if "sparse.shared.grad" in cases:
-            cotangent = np.ones(p.selection_shape, np.float32)
-            self.add(shape, "sparse.shared.grad", f"{name} sparse_score, shared selection", with_gradient(sparse),
-                     shared(*args, cotangent), lambda: p.flops(p.shared_selected, 5), (*args, cotangent, abstract))  # fmt: skip
+        cotangent = np.ones(p.selection_shape, np.float32)
+        # the random selection (the causal top_k), and one neighbouring queries share (``shared_selection``)
+        for case, label, indices, selected in (
+            ("sparse", "", lambda: p.indices, lambda: p.selected),
+            ("sparse.shared", ", shared selection", lambda: p.shared_indices, lambda: p.shared_selected),
+        ):
+            with_indices = lambda *lead, indices=indices: (lambda: (*lead, indices()))
+            if case in cases:
+                self.add(shape, case, f"{name} sparse_score{label}", sparse, with_indices(*args),
+                         lambda selected=selected: p.flops(selected()), (*args, abstract))  # fmt: skip
+            if f"{case}.grad" in cases:
+                self.add(shape, f"{case}.grad", f"{name} sparse_score{label}", with_gradient(sparse),
+                         with_indices(*args, cotangent), lambda selected=selected: p.flops(selected(), 5),
+                         (*args, cotangent, abstract))  # fmt: skip
         if "loss.sparse" in cases:
             sparse_target = jnp.full(p.selection_shape, 1.0 / top_k, jnp.float32)
             loss = lambda q, k, w, i: jax.value_and_grad(
                 lambda q, k, w: module.indexer_loss(q, k, w, sparse_target, indices=i, k_scale=k_scale, route="sparse"), argnums=(0, 1, 2)
             )(q, k, w)
-            self.add(shape, "loss.sparse", f"{name} indexer_loss", loss, with_indices(*args),
+            self.add(shape, "loss.sparse", f"{name} indexer_loss", loss, lambda: (*args, p.indices),
                      lambda: p.flops(p.selected, 5), (*args, abstract))  # fmt: skip
 
 
