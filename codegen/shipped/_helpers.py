@@ -111,11 +111,16 @@ ROUTES = ("auto", "dense", "sparse")
 SPARSE_ROUTE_BLOCKS_PER_SLOT = 20
 
 
+def check_route(route):
+    """ValueError for a route not in ``ROUTES``."""
+    if route not in ROUTES:
+        raise ValueError(f"route must be one of {', '.join(map(repr, ROUTES))}, got {route!r}")
+
+
 def sparse_route(route, num_blocks, top_k):
     """The route ``route`` takes for ``num_blocks`` blocks and ``top_k`` slots: "dense" or "sparse";
     ValueError for a route not in ``ROUTES``."""
-    if route not in ROUTES:
-        raise ValueError(f"route must be one of {', '.join(map(repr, ROUTES))}, got {route!r}")
+    check_route(route)
     if route == "auto":
         return "sparse" if num_blocks > SPARSE_ROUTE_BLOCKS_PER_SLOT * top_k else "dense"
     return route

@@ -174,7 +174,7 @@ def indexer_loss(
     Sparse: ``target`` is [B, S, top_k], aligned with ``indices``; the set is the slots whose index lies
     in [0, W) (and in [kv_start, kv_end) where given), scored by ``sparse_score`` on ``route``.
     """
-    _helpers.sparse_route(route, 1, 1)  # a bad route is a ValueError, sparse or not
+    _helpers.check_route(route)  # sparse or not
     return _helpers.indexer_loss(
         VARIANT, score, functools.partial(sparse_score, route=route), q, k, weights, target, indices=indices, kv_start=kv_start, kv_end=kv_end,
         k_scale=k_scale, softmax_scale=softmax_scale, interpret=interpret,
