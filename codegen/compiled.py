@@ -446,7 +446,8 @@ def _window_trips(runtime, shape, top_k: int, rows: int, calls: int, bounds) -> 
     unseen = np.maximum(kv_end - kv_start, 0)  # visible blocks not yet in a window
     left = np.minimum(unseen, top_k)  # slots not yet in a window
     first = np.zeros_like(unseen)  # the query's first slot in the window (its slots sorted)
-    qb, unroll = runtime.SPARSE_BLOCK_Q, runtime._geometry.SPARSE_GATHER_UNROLL
+    geometry = runtime._geometry
+    qb, unroll = runtime.SPARSE_BLOCK_Q, geometry.sparse_trip(geometry.sparse_top_k_pad(top_k))
     out = np.zeros((calls, -(-seq_len // qb)), np.int64)
     for c in range(calls):
         here = np.maximum(np.minimum(kv_end, (c + 1) * rows) - np.maximum(kv_start, c * rows), 0)
@@ -523,13 +524,14 @@ def xla_report(
     bytes (``hbm_bytes``: a layout copy of q is a few bundles a trip of a loop the dump does not bound,
     and 256 MiB moved at S 8192) at the chip's HBM bandwidth, ``trips`` times for one inside the while
     loop (``score_topk``'s scan over its query chunks), once otherwise; the chip's delay slots read from
-    the variant's forward kernel in the same dump. Returns the report (its cycles: the programs' time at
+    the variant's forward kernel in the same dump (any of its kernels, where it has no forward). Returns the report (its cycles: the programs' time at
     the report's clock) and the programs whose loop trips could not be read (counted once)."""
     hlo = result.hlo()
     inside, moved = loop_bodies(hlo), hbm_bytes(hlo)
     timing = _timing(plan, t, calibration, calibration_logits, chip)
     cycles_per_byte = timing["clock_hz"] / timing["hbm_bytes_per_second"]
-    delay = schedule.parse(*result.kernels()[f"{plan.name}_forward"]).delay_slots  # the chip's
+    ours = {n: f for n, f in result.kernels().items() if n.startswith(f"{plan.name}_")}
+    delay = schedule.parse(*ours.get(f"{plan.name}_forward", next(iter(ours.values())))).delay_slots
     cycles = per_trip = bundles = call_bytes = 0
     unread = []
     for name, files in result.programs().items():

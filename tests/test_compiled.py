@@ -310,7 +310,8 @@ def test_sparse_kernels_cost_their_windows_and_once_per_batch_work_once(num_bloc
     report = compiled.sparse_report(
         base, sched, "generated.csa_v4", "", shape, plan, "sparse_backward", top_k
     )
-    steps, trips = sched.grid_trips - grid_steps.PIPELINE_ITERATIONS, top_k // 16  # a query's, over W
+    trip = runtime._geometry.sparse_trip(runtime._geometry.sparse_top_k_pad(top_k))  # slots a loop trip
+    steps, trips = sched.grid_trips - grid_steps.PIPELINE_ITERATIONS, top_k // trip  # a query's, over W
     assert steps == 64 // 8 and report.steps == steps * calls
     full = sched.with_trips(trips)  # every slot visited in every call
     once = grid_steps.once_per_batch(full, copies)

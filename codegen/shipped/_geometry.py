@@ -115,23 +115,31 @@ def block_empty(any_lo, any_hi, lo, hi):
 # gathered into a float32 scratch.
 
 SPARSE_BLOCK_Q = 8  # queries per grid step of the sparse kernels
-# Slots a gather loop trip moves, unrolled: a row each is an SMEM index load, an address, and a one-row
-# load and store, the scalar unit's work; unrolled, the compiler overlaps the rows (the TPU compiler's
-# schedule: ~2 bundles a float32 row, against ~8 for the aligned 16-row group reads of bfloat16 k
-# that resident float32 rows replace). top_k is padded to whole trips.
-SPARSE_GATHER_UNROLL = 16
-# dk rows added per trip, in turn into SPARSE_DK_COPIES float32 dk accumulators: a row's load waits
+# Slots a gather or scatter loop trip moves, unrolled: the longest of these that divides top_k_pad
+# (``sparse_trip``). A row is an SMEM index load, an address, and a one-row load and store: the scalar
+# unit's work, two scalar slots a bundle. Unrolled, the compiler overlaps the rows, but each trip starts
+# on its index loads and ends on its last stores (the TPU compiler's schedule, v5e, S 16384 / W 8192 /
+# top_k 512, bundles a float32 row: gather 1.94 at 16 slots a trip, 1.75 at 32, 1.63 at 64; the
+# backward's scatter-add 2.6, 2.3, 2.3), against ~8 for the aligned 16-row group reads of bfloat16 k
+# that resident float32 rows replace. top_k is padded to whole trips of the shortest.
+SPARSE_SLOT_TRIPS = (64, 16)
+# dk rows added, slot after slot, in turn into SPARSE_DK_COPIES float32 dk accumulators: a row's load waits
 # on the stores to its accumulator before it (the compiler cannot tell two dynamic rows apart), so one
 # accumulator chains every slot (~5 bundles a slot by the TPU compiler's schedule) and four overlap
 # four chains (~2.6), at the cost of three more dk's of VMEM: taken where they leave the windows of k
 # as few as one accumulator does (``_gather.sparse_key_windows``).
-SPARSE_SCATTER_UNROLL = 16
 SPARSE_DK_COPIES = 4
 
 
 def sparse_top_k_pad(top_k):
-    """top_k rounded up to whole gather trips (whatever the rows are gathered as: the scratch is float32)."""
-    return round_up(top_k, SPARSE_GATHER_UNROLL)
+    """top_k rounded up to whole slot trips (whatever the rows are gathered as: the scratch is float32)."""
+    return round_up(top_k, min(SPARSE_SLOT_TRIPS))
+
+
+def sparse_trip(top_k_pad):
+    """Slots a gather or scatter loop trip moves at ``top_k_pad`` slots: the longest of SPARSE_SLOT_TRIPS
+    that divides it (64 at every top_k DeepSeek-V4 uses)."""
+    return next(t for t in SPARSE_SLOT_TRIPS if top_k_pad % t == 0)
 
 
 def sparse_windows(num_blocks, most_rows):

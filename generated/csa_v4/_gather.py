@@ -18,7 +18,7 @@ from jax.experimental.pallas import tpu as pltpu
 from . import _family
 from . import _geometry
 from ._checks import q_dims
-from ._kernel_ops import ACCUM_DTYPE, split_matmul
+from ._kernel_ops import ACCUM_DTYPE, split, split_matmul
 from ._mesh import out_struct
 from ._operands import pad_to
 
@@ -99,7 +99,6 @@ class SparseOperands(NamedTuple):
     order: jax.Array | None
     unorder: jax.Array | None
     valid: jax.Array  # [B, S, top_k] bool: the same, unpadded
-    slot_scale: jax.Array | None  # [B, S, top_k] float32: k_scale of each slot's block (float8 variants)
     batch: int
     num_heads: int
     seq_len: int
@@ -153,12 +152,11 @@ def sparse_prepare(variant, q, k, weights, indices, k_scale, gather_dtype, most_
         q = jnp.swapaxes(q, 1, 2)  # [B, S, H, D]: one query's heads are one [H, D] block
     valid = (indices >= 0) & (indices < num_blocks)
     rows = jnp.where(valid, indices, 0)  # an empty slot gathers block 0; its score is masked after
-    slot_scale = None
-    if k_scale is not None:
-        slot_scale = jnp.take_along_axis(k_scale, rows.reshape(batch, -1), axis=1).reshape(rows.shape)
     pad_slots = lambda a: pad_to(pad_to(a, 2, top_k_pad), 1, seq_pad)
     padded_rows, in_range = pad_slots(rows), pad_slots(valid)
     order = unorder = None
+    if k_scale is not None:  # float8 keys: the rows gathered are k times its scale, in float32
+        k = k.astype(ACCUM_DTYPE) * k_scale[:, :, None]
     if num_windows == 1:
         k = k.astype(ACCUM_DTYPE)
     else:  # a window's slots together in each query's row: its calls visit those only
@@ -166,7 +164,7 @@ def sparse_prepare(variant, q, k, weights, indices, k_scale, gather_dtype, most_
         order, unorder = slot_orders(block_keys(padded_rows, in_range, num_blocks), num_blocks)
     return SparseOperands(
         pad_to(q, 1, seq_pad), k, pad_to(weights.astype(ACCUM_DTYPE), 1, seq_pad),
-        padded_rows, in_range, order, unorder, valid, slot_scale,
+        padded_rows, in_range, order, unorder, valid,
         batch, num_heads, seq_len, num_blocks, head_dim, top_k, seq_pad, top_k_pad, window_rows, num_windows,
         dk_copies, vmem_limit,
     )  # fmt: skip
@@ -312,26 +310,28 @@ def spans_input(spans):
 def gather_rows(rows_ref, k_ref, gathered_ref, s, spans_ref=None):
     """For every slot j of query ``s``: k's float32 row ``rows[s, j]`` as row j of ``gathered_ref``: one
     dynamic single-row read and one single-row store per slot (a 32-bit row at any dynamic row lowers;
-    a vector gather does not), ``_geometry.SPARSE_GATHER_UNROLL`` slots a loop trip."""
+    a vector gather does not), ``_geometry.sparse_trip`` slots a loop trip."""
 
     def visit(j, row, _):
         gathered_ref[pl.ds(j, 1), :] = k_ref[pl.ds(row, 1), :]
 
-    for_each_slot(rows_ref, s, gathered_ref.shape[0], _geometry.SPARSE_GATHER_UNROLL, visit, spans_ref)
+    slots = gathered_ref.shape[0]
+    for_each_slot(rows_ref, s, slots, _geometry.sparse_trip(slots), visit, spans_ref)
 
 
 def scatter_add_rows(rows_ref, dk_refs, dk_gathered_ref, s, spans_ref=None):
     """dk row ``rows[s, j]`` += row j of ``dk_gathered_ref``, slot by slot, into the accumulators
     ``dk_refs`` in turn (their sum is dk): duplicates add up; an empty slot's row is zero (its
     cotangent is) and adds nothing. A dynamic single-row read-modify-write of float32 VMEM per slot,
-    ``_geometry.SPARSE_SCATTER_UNROLL`` a loop trip: a row's load waits on the earlier stores to its
+    ``_geometry.sparse_trip`` a loop trip: a row's load waits on the earlier stores to its
     accumulator, which the compiler orders; the accumulators' chains overlap."""
 
     def visit(j, row, t):
         dk_ref = dk_refs[t % len(dk_refs)]
         dk_ref[pl.ds(row, 1), :] += dk_gathered_ref[pl.ds(j, 1), :]
 
-    for_each_slot(rows_ref, s, dk_gathered_ref.shape[0], _geometry.SPARSE_SCATTER_UNROLL, visit, spans_ref)
+    slots = dk_gathered_ref.shape[0]
+    for_each_slot(rows_ref, s, slots, _geometry.sparse_trip(slots), visit, spans_ref)
 
 
 def sparse_call(kernel, x, *, inputs, outputs, scratch, semantics, work, name, interpret):
@@ -363,22 +363,21 @@ def sparse_call(kernel, x, *, inputs, outputs, scratch, semantics, work, name, i
 
 
 def sparse_matmul(lhs, rhs, dimension_numbers, precision):
-    """float32 ``lhs`` against ``rhs`` as ``dimension_numbers`` say, in float32: one MXU pass at
-    ``precision`` when rhs is float32, else lhs split into a head and a tail of rhs's type, two
-    passes (as ``split_matmul``: ~16 bits of lhs kept, rhs exact)."""
-    if rhs.dtype == lhs.dtype:
+    """``lhs`` against ``rhs`` as ``dimension_numbers`` say, in float32: one MXU pass at ``precision`` when
+    both are of one type, save float32 ones at less than HIGHEST; float32 lhs of a narrower rhs split into
+    a head and a tail of rhs's type, two passes (as ``split_matmul``: ~16 bits of lhs kept, rhs exact);
+    two float32 operands at less than HIGHEST both split, three passes (head x head, head x tail,
+    tail x head: ~16 bits of each)."""
+    if rhs.dtype == lhs.dtype and (lhs.dtype != ACCUM_DTYPE or precision == jax.lax.Precision.HIGHEST):
         return jax.lax.dot_general(
             lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=ACCUM_DTYPE
         )
-    return split_matmul(lhs, rhs, dimension_numbers)
-
-
-def scatter_slots(values, rows, num_blocks):
-    """float32 ``[B, W]``: per batch element, the sum of ``values [B, S, top_k]`` over the slots whose
-    block is ``rows [B, S, top_k]`` (duplicates add up). An XLA scatter-add of B * S * top_k scalars."""
-    batch = values.shape[0]
-    add = lambda v, r: jnp.zeros((num_blocks,), ACCUM_DTYPE).at[r].add(v)
-    return jax.vmap(add)(values.reshape(batch, -1), rows.reshape(batch, -1))
+    if rhs.dtype != ACCUM_DTYPE:
+        return split_matmul(lhs, rhs, dimension_numbers)
+    head, tail = split(rhs, jnp.bfloat16)
+    return split_matmul(lhs, head, dimension_numbers) + jax.lax.dot_general(
+        lhs.astype(jnp.bfloat16), tail, dimension_numbers, preferred_element_type=ACCUM_DTYPE
+    )
 
 
 def slots_shape(x):

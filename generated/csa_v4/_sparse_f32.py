@@ -31,7 +31,9 @@ MATMUL_PRECISION = jax.lax.Precision.HIGHEST  # float32 inputs
 # From the sparse kernel plan (codegen/plan.py, ``sparse``):
 # Gathered rows in float32.
 SPARSE_GATHER_DTYPE = jnp.float32
+SPARSE_QUERY_DTYPE = jnp.float32
 SPARSE_BACKWARD_GATHER_DTYPE = jnp.float32
+SPARSE_BACKWARD_QUERY_DTYPE = jnp.float32
 SPARSE_BACKWARD_PRECISION = jax.lax.Precision.HIGHEST
 # MXU passes of a [top_k, H, D] matmul per kernel: the forward's logits; the backward's logits, dq and
 # dk.
@@ -48,13 +50,13 @@ def _sparse_query(q_ref, s, dtype):
 def _sparse_logits(q_s, gathered, precision):
     """q_s [H, D] . gathered [top_k, D]^T in float32: every head's logits of one query's selected blocks,
     heads on sublanes and slots on lanes, [H, top_k]: lane-dense (H = 64 as lanes would fill half of
-    each vreg, twice the vregs for every elementwise step after it)."""
-    return jax.lax.dot_general(
-        q_s,
-        gathered,
-        _kernel_ops.CONTRACT_LAST,
-        precision=precision,
-        preferred_element_type=_kernel_ops.ACCUM_DTYPE,
+    each vreg, twice the vregs for every elementwise step after it). Float32 rows against a narrower
+    q are split into a head and a tail of q's type: two passes, float32-accurate."""
+    if gathered.dtype == q_s.dtype:
+        return _gather.sparse_matmul(q_s, gathered, _kernel_ops.CONTRACT_LAST, precision)
+    head, tail = _kernel_ops.split(gathered, q_s.dtype)
+    return sum(
+        _gather.sparse_matmul(q_s, part, _kernel_ops.CONTRACT_LAST, precision) for part in (head, tail)
     )
 
 
@@ -87,7 +89,7 @@ def _sparse_forward_kernel(
     for s in range(_gather.SPARSE_BLOCK_Q):
         _gather.gather_rows(rows_ref, k_ref, gathered_ref, s, spans_ref)
         gathered = gathered_ref[...].astype(SPARSE_GATHER_DTYPE)
-        logits = _sparse_logits(_sparse_query(q_ref, s, SPARSE_GATHER_DTYPE), gathered, MATMUL_PRECISION)
+        logits = _sparse_logits(_sparse_query(q_ref, s, SPARSE_QUERY_DTYPE), gathered, MATMUL_PRECISION)
         out_ref[s : s + 1, :] = softmax_scale * _head_sum(weights[:, s : s + 1], jnp.maximum(logits, 0.0))
 
 
@@ -113,7 +115,7 @@ def _sparse_backward_kernel(
     for s in range(_gather.SPARSE_BLOCK_Q):
         _gather.gather_rows(rows_ref, k_ref, gathered_ref, s, spans_ref)
         gathered = gathered_ref[...].astype(SPARSE_BACKWARD_GATHER_DTYPE)
-        q_s = _sparse_query(q_ref, s, gathered.dtype)
+        q_s = _sparse_query(q_ref, s, SPARSE_BACKWARD_QUERY_DTYPE)
         logits = _sparse_logits(q_s, gathered, SPARSE_BACKWARD_PRECISION)  # [H, top_k]
         g = g_ref[s : s + 1, :]  # [1, top_k]: zero at empty slots
         activated = jnp.maximum(logits, 0.0)

@@ -29,14 +29,17 @@ from . import _autodiff, _fp8, _gather, _kernel_ops, _operands
 
 MATMUL_PRECISION = jax.lax.Precision.DEFAULT  # float8_e4m3fn inputs upcast to bfloat16: exact on the MXU
 # From the sparse kernel plan (codegen/plan.py, ``sparse``):
-# Gathered rows in bfloat16 (float8 rows upcast, exactly).
-SPARSE_GATHER_DTYPE = jnp.bfloat16
-SPARSE_BACKWARD_GATHER_DTYPE = jnp.bfloat16
+# Gathered rows in float32: k times its per-token scale, made once before the kernels (no per-slot scale
+# to gather, nor its gradient to scatter), met by q upcast to bfloat16 (exact).
+SPARSE_GATHER_DTYPE = jnp.float32
+SPARSE_QUERY_DTYPE = jnp.bfloat16
+SPARSE_BACKWARD_GATHER_DTYPE = jnp.float32
+SPARSE_BACKWARD_QUERY_DTYPE = jnp.bfloat16
 SPARSE_BACKWARD_PRECISION = MATMUL_PRECISION
 # MXU passes of a [top_k, H, D] matmul per kernel: the forward's logits; the backward's logits, dq and
-# dk, each of the last two split into a bfloat16 head and tail (float32 accuracy, as the fused backward).
-SPARSE_WORK = {"forward": 1, "backward": 5}
-# The [H, top_k]-sized products (head sums into a row, g wᵀ, dweights, the unscaled score) run on the
+# dk, float32 operands split into bfloat16 heads and tails (float32 accuracy; plan.SCALED_PASSES).
+SPARSE_WORK = {"forward": 2, "backward": 7}
+# The [H, top_k]-sized products (head sums into a row, g wᵀ, dweights) run on the
 # VPU in float32: a row or a column against the MXU costs a full push of the [H, top_k] tile.
 
 
@@ -48,13 +51,13 @@ def _sparse_query(q_ref, s, dtype):
 def _sparse_logits(q_s, gathered, precision):
     """q_s [H, D] . gathered [top_k, D]^T in float32: every head's logits of one query's selected blocks,
     heads on sublanes and slots on lanes, [H, top_k]: lane-dense (H = 64 as lanes would fill half of
-    each vreg, twice the vregs for every elementwise step after it)."""
-    return jax.lax.dot_general(
-        q_s,
-        gathered,
-        _kernel_ops.CONTRACT_LAST,
-        precision=precision,
-        preferred_element_type=_kernel_ops.ACCUM_DTYPE,
+    each vreg, twice the vregs for every elementwise step after it). Float32 rows against a narrower
+    q are split into a head and a tail of q's type: two passes, float32-accurate."""
+    if gathered.dtype == q_s.dtype:
+        return _gather.sparse_matmul(q_s, gathered, _kernel_ops.CONTRACT_LAST, precision)
+    head, tail = _kernel_ops.split(gathered, q_s.dtype)
+    return sum(
+        _gather.sparse_matmul(q_s, part, _kernel_ops.CONTRACT_LAST, precision) for part in (head, tail)
     )
 
 
@@ -87,13 +90,13 @@ def _sparse_forward_kernel(
     for s in range(_gather.SPARSE_BLOCK_Q):
         _gather.gather_rows(rows_ref, k_ref, gathered_ref, s, spans_ref)
         gathered = gathered_ref[...].astype(SPARSE_GATHER_DTYPE)
-        logits = _sparse_logits(_sparse_query(q_ref, s, SPARSE_GATHER_DTYPE), gathered, MATMUL_PRECISION)
+        logits = _sparse_logits(_sparse_query(q_ref, s, SPARSE_QUERY_DTYPE), gathered, MATMUL_PRECISION)
         out_ref[s : s + 1, :] = softmax_scale * _head_sum(weights[:, s : s + 1], jnp.maximum(logits, 0.0))
 
 
 def _sparse_backward_kernel(
     rows_ref, spans_ref, q_ref, k_ref, weights_ref, g_ref,  # inputs (spans_ref: see the forward)
-    dq_ref, dweights_ref, dk_ref, unscaled_ref,  # outputs
+    dq_ref, dweights_ref, dk_ref,  # outputs
     gathered_ref, dk_gathered_ref, *more_dk_refs,  # scratch
     softmax_scale,
 ):  # fmt: skip
@@ -113,13 +116,11 @@ def _sparse_backward_kernel(
     for s in range(_gather.SPARSE_BLOCK_Q):
         _gather.gather_rows(rows_ref, k_ref, gathered_ref, s, spans_ref)
         gathered = gathered_ref[...].astype(SPARSE_BACKWARD_GATHER_DTYPE)
-        q_s = _sparse_query(q_ref, s, gathered.dtype)
+        q_s = _sparse_query(q_ref, s, SPARSE_BACKWARD_QUERY_DTYPE)
         logits = _sparse_logits(q_s, gathered, SPARSE_BACKWARD_PRECISION)  # [H, top_k]
-        g = g_ref[s : s + 1, :]  # [1, top_k]: zero at empty slots, times each slot's k_scale
+        g = g_ref[s : s + 1, :]  # [1, top_k]: zero at empty slots
         activated = jnp.maximum(logits, 0.0)
         dweights.append(jnp.sum(activated * g, axis=1, keepdims=True))
-        # d score / d k_scale of each slot, up to the cotangent: the score before the scale.
-        unscaled_ref[s : s + 1, :] = softmax_scale * _head_sum(weights[:, s : s + 1], activated)
         g_weights = weights[:, s : s + 1] * g  # [H, top_k]: g_j * weights_h
         dlogits = jnp.where(logits > 0.0, g_weights, 0.0)  # relu' = 1[logit > 0]
         dq = _gather.sparse_matmul(dlogits, gathered, _kernel_ops.CONTRACT_INNER, SPARSE_BACKWARD_PRECISION)
@@ -162,7 +163,6 @@ def forward(variant, q, k, weights, indices, k_scale, softmax_scale, interpret):
 
     out = x.in_slot_order(_gather.over_key_windows(x, window))
     out = _operands.crop_to(out, (x.batch, x.seq_len, x.top_k))
-    out = out * x.slot_scale  # relu(q.k * s) = relu(q.k) * s for s > 0
     return jnp.where(x.valid, out, _kernel_ops.MASKED_VALUE).astype(variant["out_dtype"])
 
 
@@ -172,7 +172,7 @@ def backward(variant, softmax_scale, interpret, q, k, weights, indices, k_scale,
         variant, q, k, weights, indices, k_scale, SPARSE_BACKWARD_GATHER_DTYPE, _gather.SPARSE_DK_COPIES
     )
     g = jnp.where(x.valid, g.astype(jnp.float32), 0.0)  # empty slots get no gradient, whatever g holds there
-    g_slots = _gather.slot_rows(g * x.slot_scale, x.seq_pad, x.top_k_pad)
+    g_slots = _gather.slot_rows(g, x.seq_pad, x.top_k_pad)
     g_slots = x.in_call_order(g_slots)  # the kernels' order of the slots
     dq_dtype = _operands.grad_dtype(q, jnp.dtype(variant["qk_grad_dtype"]))  # float32 where q arrived upcast
     dk_dtype = _operands.grad_dtype(k, jnp.dtype(variant["qk_grad_dtype"]))
@@ -193,7 +193,6 @@ def backward(variant, softmax_scale, interpret, q, k, weights, indices, k_scale,
                 "dq": ("q", (x.q.shape, window_dq_dtype)),
                 "dweights": ("weights", (x.weights.shape, jnp.float32)),
                 "dk": ("dk", ((x.batch, x.window_rows, x.head_dim), jnp.float32)),
-                "unscaled": ("slots", (_gather.slots_shape(x), jnp.float32)),
             },
             scratch=[
                 pltpu.VMEM((x.top_k_pad, x.head_dim), jnp.float32),  # the gathered rows
@@ -209,7 +208,7 @@ def backward(variant, softmax_scale, interpret, q, k, weights, indices, k_scale,
             return (results[0], results[1], _operands.pad_to(results[2], 1, x.k.shape[1]), *results[3:])
         dq, dweights, dk = done[0] + results[0], done[1] + results[1], done[2]
         dk = jax.lax.dynamic_update_slice_in_dim(dk, results[2], start, axis=1)
-        return dq, dweights, dk, jnp.where(in_window, results[3], done[3])
+        return dq, dweights, dk
 
     results = _gather.over_key_windows(x, window)
     dq, dweights, dk = results[:3]
@@ -218,9 +217,9 @@ def backward(variant, softmax_scale, interpret, q, k, weights, indices, k_scale,
         dq = jnp.swapaxes(dq, 1, 2)
     dweights = _operands.crop_to(dweights, (x.batch, x.seq_len, x.num_heads)).astype(weights.dtype)
     dk = softmax_scale * _operands.crop_to(dk, (x.batch, x.num_blocks, x.head_dim))
-    unscaled = _operands.crop_to(x.in_slot_order(results[3]), (x.batch, x.seq_len, x.top_k))
-    dk_scale = _gather.scatter_slots(g * unscaled, x.rows[:, : x.seq_len, : x.top_k], x.num_blocks)
-    return dq, dk.astype(dk_dtype), dweights, dk_scale
+    # dk is the gradient of the scaled rows k * k_scale: of k, times the scale; of the scale, dotted with k.
+    dk_scale = jnp.sum(dk * k.astype(jnp.float32), axis=2)
+    return dq, (dk * k_scale[:, :, None]).astype(dk_dtype), dweights, dk_scale
 
 
 def differentiable(variant):
