@@ -29,7 +29,7 @@ SHAPES = ((1, 64, 8192, 128, 2048, 512), (1, 64, 32768, 128, 8192, 1024))
 SPARSE_SHAPES = ((1, 64, 8192, 128, 2048, 128), (1, 64, 16384, 128, 8192, 512))
 SPARSE_SHAPE_CASES = frozenset(
     ("stacked", "score.causal", "grad.causal", "sparse", "sparse.grad", "sparse.shared",
-     "sparse.shared.grad", "xla_sparse", "xla_sparse.grad")
+     "sparse.shared.grad", "sparse.dense", "sparse.dense.grad", "xla_sparse", "xla_sparse.grad")
 )  # fmt: skip
 # A shared selection (``shared_selection``): each query's last top_k - SHARED_OTHERS visible blocks
 # and SHARED_OTHERS more drawn from the rest of its visible range, as neighbouring queries' picks
@@ -41,13 +41,14 @@ VARIANT_CASES = (
     "score.unmasked", "score.causal", "score.masked", "score.band8", "score.band4", "score.band2",
     "grad.unmasked", "grad.causal",
     "topk", "topk.sharded", "topk.lax", "topk.approx", "sparse", "sparse.grad", "sparse.shared",
-    "sparse.shared.grad", "loss.dense", "loss.sparse",
+    "sparse.shared.grad", "sparse.dense", "sparse.dense.grad", "loss.dense", "loss.sparse",
 )  # fmt: skip
 # Once per shape (``stacked`` always: the ratios are read against it), and the calibration once a run.
 PEER_CASES = ("stacked", "xla", "xla.grad", "xla_sparse", "xla_sparse.grad", "matmul")
 CASES = VARIANT_CASES + PEER_CASES
-# Only when asked for: on a v5e (JAX 0.10.2) a run with topk.sharded at S 32768 timed nothing within
-# 200 s, though its program compiles for v5e in 16 s ahead of time and runs interpreted on a CPU.
+# Only when asked for: on a v5e (JAX 0.10.2) XLA's compile of topk.sharded was still running after 80 s
+# at S 8192 (and timed nothing within 200 s at S 32768), though the same program compiles for v5e ahead
+# of time on a CPU host in 13 s and runs interpreted there.
 OPT_IN_CASES = ("topk.sharded",)
 DEFAULT_CASES = tuple(c for c in CASES if c not in OPT_IN_CASES)
 # ``--rank``: each candidate tiling's causal forward and forward + gradient; ranked by the second.
@@ -480,19 +481,22 @@ class Bench:
                 (*args, *causal),
                 p.flops(p.pairs["causal"], 5),
             )
-        if not {"sparse", "sparse.grad", "sparse.shared", "sparse.shared.grad", "loss.sparse", "xla_sparse",
-                "xla_sparse.grad"} & cases:  # fmt: skip
+        if not {"sparse", "sparse.grad", "sparse.shared", "sparse.shared.grad", "sparse.dense", "sparse.dense.grad",
+                "loss.sparse", "xla_sparse", "xla_sparse.grad"} & cases:  # fmt: skip
             return
         # Each query's top_k of its causal scores, as the indexer selects them: made by this variant's
         # forward when the first sparse case runs (the layouts' scores are the same function).
         p.selection = p.selection or (lambda: forward(*args, *causal))
-        sparse = lambda q, k, w, i: module.sparse_score(q, k, w, i, k_scale=k_scale, route="sparse")
+        routed = lambda route: lambda q, k, w, i: module.sparse_score(q, k, w, i, k_scale=k_scale, route=route)
         abstract = p.abstract_indices
         cotangent = np.ones(p.selection_shape, np.float32)
-        # the random selection (the causal top_k), and one neighbouring queries share (``shared_selection``)
-        for case, label, indices, selected in (
-            ("sparse", "", lambda: p.indices, lambda: p.selected),
-            ("sparse.shared", ", shared selection", lambda: p.shared_indices, lambda: p.shared_selected),
+        # the random selection (the causal top_k), and one neighbouring queries share (``shared_selection``),
+        # through the sparse kernels; and the random one through the dense route (the score, then a take)
+        for case, label, indices, selected, sparse in (
+            ("sparse", "", lambda: p.indices, lambda: p.selected, routed("sparse")),
+            ("sparse.shared", ", shared selection", lambda: p.shared_indices, lambda: p.shared_selected,
+             routed("sparse")),
+            ("sparse.dense", ", route='dense'", lambda: p.indices, lambda: p.selected, routed("dense")),
         ):
             with_indices = lambda *lead, indices=indices: (lambda: (*lead, indices()))
             if case in cases:

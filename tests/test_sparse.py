@@ -213,23 +213,24 @@ def test_sparse_score_checks_indices_and_takes_k_in_windows_past_vmem():
         )
 
 
-def test_route_auto_takes_the_sparse_kernels_past_20_blocks_a_slot():
-    """``route="auto"``: the dense score up to W = 20 top_k (where the sparse kernels were slower on a
-    v5e), the sparse kernels past it; a route that is none of the three is a ValueError before tracing."""
-    assert _helpers.SPARSE_ROUTE_BLOCKS_PER_SLOT == 20
-    assert [_helpers.sparse_route("auto", w, 16) for w in (320, 321)] == ["dense", "sparse"]
-    assert _helpers.sparse_route("dense", 10**6, 1) == "dense" and _helpers.sparse_route("sparse", 1, 8) == "sparse"
+def test_route_auto_takes_the_sparse_kernels():
+    """``route="auto"``: the sparse kernels at any W / top_k (the dense route, the score and XLA's take of
+    the slots, was the slower at every W / top_k timed on a v5e); ``"dense"``: the dense forward and
+    no sparse kernel; a route that is none of the three is a ValueError before tracing."""
+    assert [_helpers.sparse_route(r) for r in ("auto", "dense", "sparse")] == ["sparse", "dense", "sparse"]
     module = VARIANTS["tpu_hm_bf16_q256_w2048c512_hcall"]
     q, k, weights = support.make_inputs(module.VARIANT, (1, 16, 8, 128, 64), seed=0)
     name = module.VARIANT["name"]
 
-    def kernels(top_k):
+    def kernels(top_k, route):
         indices = jnp.zeros((1, 8, top_k), jnp.int32)
-        text = support.lower_for_tpu(lambda q, k, w: module.sparse_score(q, k, w, indices), q, k, weights)
+        lowered = lambda q, k, w: module.sparse_score(q, k, w, indices, route=route)
+        text = support.lower_for_tpu(lowered, q, k, weights)
         return f"{name}_forward" in text, "sparse" in text.replace("sparse_score", "")
 
-    assert kernels(4) == (True, False)  # W / top_k = 16: the dense forward, no sparse kernel
-    assert kernels(3) == (False, True)  # 21.3: the sparse kernels only
+    # W / top_k = 64 (one slot in 64 blocks), 16 and 1: the sparse kernels only
+    assert [kernels(top_k, "auto") for top_k in (1, 4, 64)] == [(False, True)] * 3
+    assert kernels(4, "dense") == (True, False)  # the dense forward, no sparse kernel
     for call in (
         lambda: module.sparse_score(q, k, weights, jnp.zeros((1, 8, 4), jnp.int32), route="gather"),
         lambda: module.indexer_loss(q, k, weights, jnp.zeros((1, 8, 64)), route="Sparse"),

@@ -101,14 +101,14 @@ def topk_indices(scores, top_k, *, method="exact"):
 
 # How ``sparse_score`` and the sparse ``indexer_loss`` score the selected blocks: "sparse" gathers each
 # query's top_k keys (the sparse kernels), "dense" scores every block and takes the selected ones
-# ([B, S, W] scores in HBM, the dense kernels' speed), "auto" the faster by the rule below.
+# ([B, S, W] scores in HBM, then XLA's take of the slots), "auto" the faster, which is the sparse
+# kernels wherever it was measured. On a TPU v5e (JAX 0.10.2, causal, bfloat16, ``codegen bench``'s
+# sparse and sparse.dense cases) the dense route took 7.0x the sparse kernels' time at W / top_k = 4
+# (S 8192, W 2048: 47.2 ms against 6.75; forward + gradient 99.7 against 27.8, 3.6x) and 9.1x at 16
+# (S 16384, W 8192: 122 ms against 13.4; 273 against 54.1, 5.1x): the take alone costs ~14 ns a slot,
+# against ~1.6 for the sparse forward's gather, so no W / top_k makes the dense route cheaper. Chips
+# we have not measured take the same choice.
 ROUTES = ("auto", "dense", "sparse")
-# "auto" takes the sparse kernels where W exceeds this many blocks per selected slot. Measured on a
-# TPU v5e (JAX 0.10.2, causal, bfloat16, forward + gradient): the sparse kernels took 3.1x the dense
-# score's time at W / top_k = 4 (S 8192, W 2048) and 1.2x to 1.3x at 16 (S 8192 / W 2048 and
-# S 16384 / W 8192); their time grows with top_k and the dense score's with W, so the two cross near
-# W / top_k = 20. Chips we have not measured take the same rule.
-SPARSE_ROUTE_BLOCKS_PER_SLOT = 20
 
 
 def check_route(route):
@@ -117,13 +117,11 @@ def check_route(route):
         raise ValueError(f"route must be one of {', '.join(map(repr, ROUTES))}, got {route!r}")
 
 
-def sparse_route(route, num_blocks, top_k):
-    """The route ``route`` takes for ``num_blocks`` blocks and ``top_k`` slots: "dense" or "sparse";
-    ValueError for a route not in ``ROUTES``."""
+def sparse_route(route):
+    """The route ``route`` takes: "dense" or "sparse" ("auto": the sparse kernels, faster at every W and
+    top_k measured; see ``ROUTES``); ValueError for a route not in ``ROUTES``."""
     check_route(route)
-    if route == "auto":
-        return "sparse" if num_blocks > SPARSE_ROUTE_BLOCKS_PER_SLOT * top_k else "dense"
-    return route
+    return "sparse" if route == "auto" else route
 
 
 def routed_sparse_score(variant, score, sparse_score, q, k, weights, indices, *, route, k_scale,
@@ -135,7 +133,7 @@ def routed_sparse_score(variant, score, sparse_score, q, k, weights, indices, *,
     batch, _, seq_len, _ = q_dims(q, variant["q_layout"])
     indices = check_indices(indices, batch, seq_len)
     kwargs = dict(k_scale=k_scale, softmax_scale=softmax_scale, interpret=interpret)
-    if sparse_route(route, k.shape[1], indices.shape[2]) == "sparse":
+    if sparse_route(route) == "sparse":
         return sparse_score(q, k, weights, indices, **kwargs)
     scores = score(q, k, weights, **kwargs)
     picked = (indices >= 0) & (indices < k.shape[1])
