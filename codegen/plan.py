@@ -448,10 +448,11 @@ def sparse(variant: Variant) -> tuple[SparseKernelPlan, SparseKernelPlan]:
     policy = variant.policy
     mxu_type = policy.mxu_dtype
     if policy.k_scale:  # float8 keys: rows of k times their scale, float32, against bfloat16 q
+        forward_passes, backward_passes = SCALED_PASSES["logits"], sum(SCALED_PASSES.values())
         return (
-            SparseKernelPlan("sparse_forward", (PARALLEL, PARALLEL), F32, "matmul", SCALED_PASSES["logits"], mxu_type),
+            SparseKernelPlan("sparse_forward", (PARALLEL, PARALLEL), F32, "matmul", forward_passes, mxu_type),
             SparseKernelPlan(
-                "sparse_backward", (PARALLEL, ARBITRARY), F32, "matmul", sum(SCALED_PASSES.values()), mxu_type
+                "sparse_backward", (PARALLEL, ARBITRARY), F32, "matmul", backward_passes, mxu_type
             ),
         )
     if variant.backward == "reference":

@@ -88,6 +88,7 @@ class SparseOperands(NamedTuple):
     q: jax.Array  # [B, S_pad, H, D] (head-major q is transposed: a copy of q, nothing of W)
     # One window: [B, W, D] float32 (16- and 8-bit k upcast: exact), one block per batch element,
     # resident. Several: [B, windows * window_rows, D] in k's own dtype, each window upcast as it is used.
+    # Float8 k with its per-token scale: k times the scale, float32, either way.
     k: jax.Array
     weights: jax.Array  # [B, S_pad, H] float32
     rows: jax.Array  # [B, S_pad, top_k_pad] int32: the block each slot gathers; 0 for an empty slot
