@@ -25,13 +25,16 @@ On a TPU v5e (JAX 0.10.2), S 8192, W 2048, causal, ms (measured):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from unittest import mock
 
 PRODUCTION = ("tpu_hm_bf16_q256_w2048c512_hcall", "tpu_sm_bf16_q512_w2048c512_hc16")
 
 
 def stages(jnp):
-    """name -> {attribute of the kernel module (or of _kernel_ops, prefixed "ops."): replacement}."""
+    """name -> {(owner, attribute): replacement}, owner "dense" (the variant's kernel module) or "ops"
+    (its ``_kernel_ops``)."""
     no_head_sum = lambda logits, weights: logits[0]  # noqa: E731
 
     def no_matmul(cfg, q, k, heads):
@@ -40,9 +43,9 @@ def stages(jnp):
 
     return {
         "whole": {},
-        "without the head sum": {"_contract_heads": no_head_sum},
-        "without the matmul": {"_logits": no_matmul},
-        "without the mask": {"ops.mask": lambda block, x, kv_bounds_ref, fill: x},
+        "without the head sum": {("dense", "_contract_heads"): no_head_sum},
+        "without the matmul": {("dense", "_logits"): no_matmul},
+        "without the mask": {("ops", "mask"): lambda block, x, kv_bounds_ref, fill: x},
     }
 
 
@@ -68,8 +71,7 @@ def main(argv=None) -> int:
     batch, heads, seq_len, head_dim, width = map(int, args.shape.split(","))
     for name in args.variants.split(","):
         module = csa_v4.VARIANTS[name]
-        dense = module._dense  # the variant's dense kernel module
-        ops = dense._kernel_ops
+        owners = {"dense": module._dense, "ops": module._dense._kernel_ops}  # the variant's kernel module
         rng = np.random.default_rng(0)
         hm = module.VARIANT["q_layout"] == "head_major"
         q_shape = (batch, heads, seq_len, head_dim) if hm else (batch, seq_len, heads, head_dim)
@@ -79,21 +81,19 @@ def main(argv=None) -> int:
         positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
         kv_start, kv_end = csa_v4.causal_kv_range(positions)
         for stage, replaced in stages(jnp).items():
-            owners = {a: (ops, a[4:]) if a.startswith("ops.") else (dense, a) for a in replaced}
-            own = {a: getattr(*owners[a]) for a in replaced}
-            for a, value in replaced.items():
-                setattr(*owners[a], value)
-            try:
-                fn = jax.jit(lambda q, k, w, s, e: module.score(q, k, w, kv_start=s, kv_end=e, interpret=args.interpret))
+            with contextlib.ExitStack() as patches:
+                for (owner, attribute), value in replaced.items():
+                    patches.enter_context(mock.patch.object(owners[owner], attribute, value))
+                def score(q, k, w, s, e):  # a new function each stage: jax.jit would reuse the last one's
+                    return module.score(q, k, w, kv_start=s, kv_end=e, interpret=args.interpret)
+
+                fn = jax.jit(score)
                 if args.interpret:
                     jax.block_until_ready(fn(q, k, weights, kv_start, kv_end))
                     print(f"{name} {stage}: ran", flush=True)
                 else:
                     ms = median_ms(fn, (q, k, weights, kv_start, kv_end), 5)
                     print(f"{name}, S {seq_len}, W {width}, causal, {stage}: {ms:.3f} ms", flush=True)
-            finally:
-                for a in replaced:
-                    setattr(*owners[a], own[a])
     return 0
 
 

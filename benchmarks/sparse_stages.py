@@ -21,14 +21,16 @@ measured the gradient rows again as 7.09, 5.65, 5.08 and 2.57):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from unittest import mock
 
 NOTHING = lambda *args, **kwargs: None  # noqa: E731 - a stage left out
-STAGES = {  # name: (gather, scatter-add), None keeping the kernels' own
-    "whole": (None, None),
-    "without the gather": (NOTHING, None),
-    "without the scatter": (None, NOTHING),
-    "without both": (NOTHING, NOTHING),
+STAGES = {  # name: the _gather functions replaced by nothing
+    "whole": (),
+    "without the gather": ("gather_rows",),
+    "without the scatter": ("scatter_add_rows",),
+    "without both": ("gather_rows", "scatter_add_rows"),
 }
 
 
@@ -52,7 +54,6 @@ def main(argv=None) -> int:
     from csa_v4 import _gather
 
     module = csa_v4.VARIANTS[args.variant]
-    own = _gather.gather_rows, _gather.scatter_add_rows
     for shape in args.shape:
         seq_len, width, top_k = map(int, shape.split(","))
         rng = np.random.default_rng(0)
@@ -63,16 +64,16 @@ def main(argv=None) -> int:
         weights = jnp.asarray(rng.standard_normal((1, seq_len, 64)), jnp.bfloat16)
         indices = jnp.asarray(rng.integers(0, width, (1, seq_len, top_k)), jnp.int32)
         cotangent = jnp.ones((1, seq_len, top_k), jnp.dtype(module.VARIANT["out_dtype"]))
-        for stage, (gather, scatter) in STAGES.items():
-            _gather.gather_rows, _gather.scatter_add_rows = gather or own[0], scatter or own[1]
-            try:  # a new function each stage: jax.jit would reuse the last one's program
+        for stage, removed in STAGES.items():
+            with contextlib.ExitStack() as patches:
+                for name in removed:
+                    patches.enter_context(mock.patch.object(_gather, name, NOTHING))
+                # a new function each stage: jax.jit would reuse the last one's program
                 sparse = lambda q, k, w, i: module.sparse_score(q, k, w, i, route="sparse")  # noqa: E731
                 gradient = jax.jit(lambda q, k, w, i: jax.vjp(lambda *a: sparse(*a, i), q, k, w)[1](cotangent))
                 times = [f"gradient {median_ms(gradient, (q, k, weights, indices), 3):.2f}"]
-                if scatter is None:  # the forward has no scatter-add
+                if "scatter_add_rows" not in removed:  # the forward has no scatter-add
                     times.insert(0, f"forward {median_ms(jax.jit(sparse), (q, k, weights, indices), 5):.2f}")
-            finally:
-                _gather.gather_rows, _gather.scatter_add_rows = own
             print(f"S {seq_len}, W {width}, top_k {top_k}, {stage}: {', '.join(times)} ms", flush=True)
     return 0
 

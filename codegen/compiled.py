@@ -524,8 +524,9 @@ def xla_report(
     bytes (``hbm_bytes``: a layout copy of q is a few bundles a trip of a loop the dump does not bound,
     and 256 MiB moved at S 8192) at the chip's HBM bandwidth, ``trips`` times for one inside the while
     loop (``score_topk``'s scan over its query chunks), once otherwise; the chip's delay slots read from
-    the variant's forward kernel in the same dump (any of its kernels, where it has no forward). Returns the report (its cycles: the programs' time at
-    the report's clock) and the programs whose loop trips could not be read (counted once)."""
+    the variant's forward kernel in the same dump (any of its kernels, where it has no forward). Returns
+    the report (its cycles: the programs' time at the report's clock) and the programs whose loop trips
+    could not be read (counted once)."""
     hlo = result.hlo()
     inside, moved = loop_bodies(hlo), hbm_bytes(hlo)
     timing = _timing(plan, t, calibration, calibration_logits, chip)

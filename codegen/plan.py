@@ -421,11 +421,7 @@ class SparseKernelPlan:
     gather_dtype: str
     precision: str  # "matmul" (the variant's MATMUL_PRECISION) or "highest"
     mxu_passes: int
-    query_dtype: str = ""  # the type q meets the MXU in: the gather type's, unless named
-
-    def __post_init__(self):
-        if not self.query_dtype:
-            object.__setattr__(self, "query_dtype", self.gather_dtype)
+    query_dtype: str  # the type q meets the MXU in
 
 
 # MXU passes of the sparse kernels of a variant with a key scale, whose gathered rows are float32 (k
@@ -463,7 +459,7 @@ def sparse(variant: Variant) -> tuple[SparseKernelPlan, SparseKernelPlan]:
         backward_precision = "highest"  # "matmul" is HIGHEST: one name for one kernel
     grad_passes = 1 if backward_type == F32 else 2
     return (
-        SparseKernelPlan("sparse_forward", (PARALLEL, PARALLEL), mxu_type, "matmul", 1),
+        SparseKernelPlan("sparse_forward", (PARALLEL, PARALLEL), mxu_type, "matmul", 1, mxu_type),
         # dk accumulates over q blocks in a block whose index follows b only: i is a reduction.
         SparseKernelPlan(
             "sparse_backward",
@@ -471,5 +467,6 @@ def sparse(variant: Variant) -> tuple[SparseKernelPlan, SparseKernelPlan]:
             backward_type,
             backward_precision,
             1 + 2 * grad_passes,  # the logits again, dq and dk
+            backward_type,
         ),
     )

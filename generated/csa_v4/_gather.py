@@ -18,7 +18,7 @@ from jax.experimental.pallas import tpu as pltpu
 from . import _family
 from . import _geometry
 from ._checks import q_dims
-from ._kernel_ops import ACCUM_DTYPE, split, split_matmul
+from ._kernel_ops import ACCUM_DTYPE, CONTRACT_LAST, matmul, split, split_matmul
 from ._mesh import out_struct
 from ._operands import pad_to
 
@@ -365,20 +365,25 @@ def sparse_call(kernel, x, *, inputs, outputs, scratch, semantics, work, name, i
 
 def sparse_matmul(lhs, rhs, dimension_numbers, precision):
     """``lhs`` against ``rhs`` as ``dimension_numbers`` say, in float32: one MXU pass at ``precision`` when
-    both are of one type, save float32 ones at less than HIGHEST; float32 lhs of a narrower rhs split into
-    a head and a tail of rhs's type, two passes (as ``split_matmul``: ~16 bits of lhs kept, rhs exact);
-    two float32 operands at less than HIGHEST both split, three passes (head x head, head x tail,
-    tail x head: ~16 bits of each)."""
+    both are of one type, save float32 ones at less than HIGHEST. Otherwise each float32 operand is split
+    into a bfloat16 head and tail (as ``split_matmul``: ~16 bits kept), the tail against the other's head
+    only: two passes with one float32 operand, three with two."""
     if rhs.dtype == lhs.dtype and (lhs.dtype != ACCUM_DTYPE or precision == jax.lax.Precision.HIGHEST):
-        return jax.lax.dot_general(
-            lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=ACCUM_DTYPE
-        )
+        return matmul(lhs, rhs, precision, dimension_numbers)
     if rhs.dtype != ACCUM_DTYPE:
         return split_matmul(lhs, rhs, dimension_numbers)
     head, tail = split(rhs, jnp.bfloat16)
-    return split_matmul(lhs, head, dimension_numbers) + jax.lax.dot_general(
-        lhs.astype(jnp.bfloat16), tail, dimension_numbers, preferred_element_type=ACCUM_DTYPE
+    return sparse_matmul(lhs, head, dimension_numbers, precision) + matmul(
+        lhs.astype(jnp.bfloat16), tail, None, dimension_numbers
     )
+
+
+def sparse_logits(q_s, gathered, precision):
+    """q_s [H, D] . gathered [top_k, D]^T in float32: every head's logits of one query's selected blocks,
+    heads on sublanes and slots on lanes, [H, top_k]: lane-dense (H = 64 as lanes would fill half of
+    each vreg, twice the vregs for every elementwise step after it). Float32 rows against a narrower q
+    (float8 keys times their scale) take two passes, float32-accurate (``sparse_matmul``)."""
+    return sparse_matmul(q_s, gathered, CONTRACT_LAST, precision)
 
 
 def slots_shape(x):

@@ -49,19 +49,6 @@ def _sparse_query(q_ref, s, dtype):
     return q_ref[s].astype(dtype)
 
 
-def _sparse_logits(q_s, gathered, precision):
-    """q_s [H, D] . gathered [top_k, D]^T in float32: every head's logits of one query's selected blocks,
-    heads on sublanes and slots on lanes, [H, top_k]: lane-dense (H = 64 as lanes would fill half of
-    each vreg, twice the vregs for every elementwise step after it). Float32 rows against a narrower
-    q are split into a head and a tail of q's type: two passes, float32-accurate."""
-    if gathered.dtype == q_s.dtype:
-        return _gather.sparse_matmul(q_s, gathered, _kernel_ops.CONTRACT_LAST, precision)
-    head, tail = _kernel_ops.split(gathered, q_s.dtype)
-    return sum(
-        _gather.sparse_matmul(q_s, part, _kernel_ops.CONTRACT_LAST, precision) for part in (head, tail)
-    )
-
-
 def _head_sum(weights_column, activated):
     """sum_h weights[h] * activated[h, :] as a lane-dense row, in float32 on the VPU: [H, 1] x [H, top_k]
     -> [1, top_k]."""
@@ -91,7 +78,9 @@ def _sparse_forward_kernel(
     for s in range(_gather.SPARSE_BLOCK_Q):
         _gather.gather_rows(rows_ref, k_ref, gathered_ref, s, spans_ref)
         gathered = gathered_ref[...].astype(SPARSE_GATHER_DTYPE)
-        logits = _sparse_logits(_sparse_query(q_ref, s, SPARSE_QUERY_DTYPE), gathered, MATMUL_PRECISION)
+        logits = _gather.sparse_logits(
+            _sparse_query(q_ref, s, SPARSE_QUERY_DTYPE), gathered, MATMUL_PRECISION
+        )
         out_ref[s : s + 1, :] = softmax_scale * _head_sum(weights[:, s : s + 1], jnp.maximum(logits, 0.0))
 
 
@@ -118,7 +107,7 @@ def _sparse_backward_kernel(
         _gather.gather_rows(rows_ref, k_ref, gathered_ref, s, spans_ref)
         gathered = gathered_ref[...].astype(SPARSE_BACKWARD_GATHER_DTYPE)
         q_s = _sparse_query(q_ref, s, SPARSE_BACKWARD_QUERY_DTYPE)
-        logits = _sparse_logits(q_s, gathered, SPARSE_BACKWARD_PRECISION)  # [H, top_k]
+        logits = _gather.sparse_logits(q_s, gathered, SPARSE_BACKWARD_PRECISION)  # [H, top_k]
         g = g_ref[s : s + 1, :]  # [1, top_k]: zero at empty slots
         activated = jnp.maximum(logits, 0.0)
         dweights.append(jnp.sum(activated * g, axis=1, keepdims=True))
