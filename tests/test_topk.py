@@ -82,6 +82,31 @@ def test_score_topk_is_the_dense_selection_bit_for_bit(name):
     assert (counts == 0).any() and ((counts > 0) & (counts < 7)).any()
 
 
+@pytest.mark.parametrize("name", _chip_marked(["tpu_hm_f32_q16_w128_hcall", "tpu_sm_bf16_q16_w128_hc16"]))
+@pytest.mark.parametrize("seq_len, tiled", [(48, True), (40, False)])
+def test_score_topk_reads_q_in_place_where_chunks_tile_s(name, seq_len, tiled):
+    """Chunks of whole q blocks that tile S read head-major q where it lies (the forward's q block index
+    moves by the chunk's first block, scalar-prefetched): no chunk of q is sliced out, and the selection
+    is the dense one bit for bit. A ragged S (the last chunk overlaps the one before) scores slices of
+    q; so does sequence-major q, which is copied into the kernels' layout either way."""
+    module = VARIANTS[name]
+    in_place = tiled and module.VARIANT["q_layout"] == "head_major"
+    shape = (4, 16, seq_len, 128, 300)
+    q, k, weights = support.make_inputs(module.VARIANT, shape, seed=3)
+    kv_start, kv_end = support.mask_batch(seq_len, shape[4], seed=4)
+    bounds = dict(kv_start=kv_start, kv_end=kv_end)
+    working_bytes = 4 * 300 * 4 * 6 * 16  # 16 queries a chunk: three chunks, the last ragged at S 40
+    index, values = _call(module, q, k, weights, 64, **bounds, working_bytes=working_bytes)
+    expected_index, expected_values = _numpy_topk(support.call(module, q, k, weights, **bounds, interpret=support.INTERPRET), 64)
+    np.testing.assert_array_equal(np.asarray(index), expected_index)
+    np.testing.assert_array_equal(np.asarray(values.astype(jnp.float32)), expected_values)
+    jaxpr = str(jax.make_jaxpr(lambda q: _call(module, q, k, weights, 64, **bounds, working_bytes=working_bytes))(q))
+    q_chunk = list(q.shape)
+    q_chunk[2 if module.VARIANT["q_layout"] == "head_major" else 1] = 16
+    sliced = f"{jnp.dtype(q.dtype).name.replace('bfloat16', 'bf16').replace('float32', 'f32')}{q_chunk}".replace(" ", "")
+    assert (sliced + " = dynamic_slice" in jaxpr.replace(", ", ",")) is not in_place
+
+
 @pytest.mark.parametrize(
     "dtype, rows, width, top_k",
     [

@@ -2,6 +2,7 @@
 see it (``Config``), padding to whole tiles, the tile ranges every kernel skips by (``prepare``), and
 the ``pallas_call`` that hands them to a kernel, with its index-map helpers and cost estimate."""
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -11,7 +12,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import _geometry
-from ._checks import q_dims
 from ._mesh import out_struct
 
 tiles = _geometry.tiles  # a call's (block_q, block_w), shrunk to the problem
@@ -107,6 +107,9 @@ class Operands(NamedTuple):
     block_w: int
     compute_w: int  # compressed blocks per compute step inside a block_w tile
     heads: int  # heads per grid step
+    # None, or int32 [1]: the q block of ``q`` at which this call's queries start. ``q`` then holds more
+    # queries than the call scores and is read in place (``score_topk``'s chunks: no slice of q copied).
+    q_at: jax.Array | None = None
 
     @property
     def num_q_blocks(self):
@@ -121,23 +124,37 @@ class Operands(NamedTuple):
         return self.num_heads // self.heads
 
 
-def prepare(cfg, q, k, weights, kv_start, kv_end, k_scale):
+def reads_in_place(variant, seq_len, queries):
+    """Whether calls of ``queries`` queries at a time, tiling ``seq_len``, read q in place (``prepare``'s
+    ``q_at``): head-major q whose calls start at whole q blocks and pad nothing. (Sequence-major q is
+    copied to [B, S, H * D] either way: a chunk's slice fuses with that copy, and on a v5e at S 32768
+    copying all of q once before the chunks made score_topk 1.24 ms slower, not faster.)"""
+    head_major = variant["q_layout"] == "head_major"
+    return head_major and queries % variant["block_q"] == 0 and seq_len % queries == 0
+
+
+def prepare(cfg, q, k, weights, kv_start, kv_end, k_scale, q_at=None):
     """The kernel-ready ``Operands`` of a checked call to the variant ``cfg``: padded to whole tiles,
-    with tile ranges."""
+    with tile ranges.
+
+    ``q_at``: None, or (int32 scalar) the first of this call's queries in a head-major ``q`` that holds
+    more queries than ``weights`` and the bounds (the call's), read in place (``reads_in_place``)."""
     variant = cfg.variant
     # An input upcast to float32 (to have its gradient summed over mesh axes in float32: see
     # vary_together) goes back to the variant's dtype, exactly; otherwise these do nothing.
     q, k, weights = q.astype(cfg.dtype("q")), k.astype(cfg.dtype("k")), weights.astype(cfg.dtype("weights"))
-    batch, num_heads, seq_len, head_dim = q_dims(q, variant["q_layout"])
-    num_blocks = k.shape[1]
+    batch, seq_len, num_heads = weights.shape
+    head_dim, num_blocks = k.shape[2], k.shape[1]
     block_q, block_w = _geometry.tiles(
         seq_len, num_blocks, variant["block_q"], variant["block_w"], cfg.compute_w, cfg.sublanes
     )
     seq_pad, blocks_pad = _geometry.round_up(seq_len, block_q), _geometry.round_up(num_blocks, block_w)
-    if cfg.head_major:
+    if q_at is not None:
+        q_at = jnp.reshape(q_at // block_q, (1,)).astype(jnp.int32)
+    elif cfg.head_major:
         q = pad_to(q, 2, seq_pad)
-    else:
-        q = pad_to(q, 1, seq_pad).reshape(batch, seq_pad, num_heads * head_dim)  # a free reshape
+    else:  # a copy: HBM tiles q's [H, D], the kernels read blocks of [S, H * D]
+        q = pad_to(q, 1, seq_pad).reshape(batch, seq_pad, num_heads * head_dim)
     weights = pad_to(weights, 1, seq_pad)
     chunk = variant["head_chunk"] or num_heads
     if variant["head_chunk"]:
@@ -153,6 +170,7 @@ def prepare(cfg, q, k, weights, kv_start, kv_end, k_scale):
         batch, num_heads, seq_len, num_blocks, head_dim, seq_pad, blocks_pad, block_q, block_w,
         _geometry.call_compute_w(block_w, cfg.compute_w),
         chunk,
+        q_at,
     )  # fmt: skip
 
 
@@ -223,6 +241,11 @@ def kernel_call(kernel, x, cfg, *, name, grid_axes, grid, semantics, reads, writ
     grid axes each operand's block index moves with, for the cost estimate.
     """
     in_specs, out_specs = block_specs(x, reads), block_specs(x, writes)
+    if x.q_at is not None:  # q read in place: its block index moves by q_at, a last scalar prefetch
+        q_block = next(name for name, array in inputs.items() if array is x.q)  # "q" or "q_all_heads"
+        in_specs[q_block] = _shifted(in_specs[q_block], 2 if cfg.head_major else 1)
+        kernel = _without_last_prefetch(kernel, len(scalar_prefetch))
+        scalar_prefetch = (*scalar_prefetch, x.q_at)
     operands = {**inputs, **outputs}
     blocks = [(out_specs[n], a, follows[n]) for n, a in operands.items()]
     return pl.pallas_call(
@@ -243,6 +266,22 @@ def kernel_call(kernel, x, cfg, *, name, grid_axes, grid, semantics, reads, writ
         interpret=interpret,
         name=f"{cfg.name}_{name}",
     )(*scalar_prefetch, *inputs.values())
+
+
+def _shifted(spec, axis):
+    """``spec`` with its block index along ``axis`` moved by the last scalar-prefetch ref's value."""
+
+    def index(*grid_and_refs):
+        at = list(spec.index_map(*grid_and_refs))
+        at[axis] = at[axis] + grid_and_refs[-1][0]
+        return tuple(at)
+
+    return pl.BlockSpec(spec.block_shape, index)
+
+
+def _without_last_prefetch(kernel, count):
+    """``kernel`` called without the scalar-prefetch ref after its first ``count`` (the index maps' only)."""
+    return functools.wraps(kernel)(lambda *refs: kernel(*refs[:count], *refs[count + 1 :]))
 
 
 # Cost estimates, so XLA can schedule around each pallas_call.

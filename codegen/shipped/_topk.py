@@ -32,7 +32,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import _checks, _gather, _geometry, _kernel_ops, _mesh, _select
+from . import _checks, _gather, _geometry, _kernel_ops, _mesh, _operands, _select
 
 DEFAULT_WORKING_BYTES = 512 * 2**20  # the working set of a chunk of queries, scores included
 # 32-bit words held per score of a chunk while it is selected: the score, its key, the two running
@@ -377,23 +377,36 @@ def _select_streamed(scores, top_k, interpret, name, kv_start, kv_end):
 
 
 def _chunked(
-    variant, score, q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret, top_k, chunk
+    variant, score, forward, q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret, top_k, chunk
 ):
     """(indices, scores) of every query, ``chunk`` queries at a time in a loop: only a chunk's
-    [B, chunk, W] scores ever exist."""
+    [B, chunk, W] scores ever exist. ``forward`` (the variant's dense forward) reads a chunk's queries
+    from a head-major q in place where chunks tile S in whole q blocks (``_operands.reads_in_place``);
+    else ``score`` scores a slice of q. (On a v5e at S 32768 that saved 0.22 ms of 25.9.)"""
     seq_axis = 2 if variant["q_layout"] == "head_major" else 1
     batch, _, seq_len, _ = _checks.q_dims(q, variant["q_layout"])
     steps = -(-seq_len // chunk)
+    in_place = _operands.reads_in_place(variant, seq_len, chunk)
+    if in_place:  # every array varies alike, as the kernels' outputs say (``score`` does the same)
+        arrays = [x for x in (q, k, weights, kv_start, kv_end, k_scale) if x is not None]
+        axes = frozenset().union(*map(_mesh.varying_axes, arrays))
+        q, k, weights, kv_start, kv_end, k_scale = (x if x is None else _mesh.vary(x, axes) for x in (q, k, weights, kv_start, kv_end, k_scale))  # fmt: skip
+    out_dtype = jnp.dtype(variant["out_dtype"])
 
     def one(_, step):
         # the last chunk ends at S (overlapping the one before), so nothing is padded or copied
         at = jnp.minimum(step * chunk, seq_len - chunk)
-        q_chunk = jax.lax.dynamic_slice_in_dim(q, at, chunk, seq_axis)
         rows = [jax.lax.dynamic_slice_in_dim(x, at, chunk, 1) for x in (weights, kv_start, kv_end)]
-        scores = score(
-            q_chunk, k, rows[0], kv_start=rows[1], kv_end=rows[2], k_scale=k_scale,
-            softmax_scale=softmax_scale, interpret=interpret,
-        )  # fmt: skip
+        if in_place:
+            arrays = (q, k, *rows, k_scale)
+            scores = _mesh.interpretable(
+                lambda a: forward(*a, softmax_scale, interpret, out_dtype, q_at=at), arrays, interpret
+            )
+        else:
+            scores = score(
+                jax.lax.dynamic_slice_in_dim(q, at, chunk, seq_axis), k, rows[0], kv_start=rows[1], kv_end=rows[2],
+                k_scale=k_scale, softmax_scale=softmax_scale, interpret=interpret,
+            )  # fmt: skip
         return None, select(scores, top_k, interpret, f"{variant['name']}_topk", rows[1], rows[2])
 
     _, chunks = jax.lax.scan(one, None, jnp.arange(steps))
@@ -408,15 +421,16 @@ def _chunked(
     return tuple(assemble(x) for x in chunks)
 
 
-def differentiable(variant, score, sparse_score):
-    """A variant's ``score_topk`` over its ``score`` (which scores each chunk) and ``sparse_score``
-    (whose gradient at the selected blocks is the scores' gradient)."""
+def differentiable(variant, score, sparse_score, forward):
+    """A variant's ``score_topk`` over its ``score`` and dense ``forward`` (which score each chunk: see
+    ``_chunked``) and ``sparse_score`` (whose gradient at the selected blocks is the scores')."""
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
     def core(q, k, weights, k_scale, kv_start, kv_end, softmax_scale, interpret, top_k, chunk):
         return _chunked(
-            variant, score, q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret, top_k, chunk
-        )
+            variant, score, forward, q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret, top_k,
+            chunk,
+        )  # fmt: skip
 
     def core_fwd(q, k, weights, k_scale, kv_start, kv_end, softmax_scale, interpret, top_k, chunk):
         out = core(q, k, weights, k_scale, kv_start, kv_end, softmax_scale, interpret, top_k, chunk)

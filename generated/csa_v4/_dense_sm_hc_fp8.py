@@ -199,9 +199,10 @@ def _head_sum(cfg, q_ref, k, weights_ref, c, head_dim):
     return _contract_heads(logits, weights)
 
 
-def forward(cfg, q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret, out_dtype):
-    """The score of the variant ``cfg`` in ``out_dtype`` through one pallas_call; never holds more than a [block_q, block_w] tile of logits."""
-    x = _operands.prepare(cfg, q, k, weights, kv_start, kv_end, k_scale)
+def forward(cfg, q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret, out_dtype, q_at=None):
+    """The score of the variant ``cfg`` in ``out_dtype`` through one pallas_call; never holds more than a [block_q, block_w] tile of logits.
+    ``q_at``: None, or where in ``q`` the queries of ``weights`` start (``_operands.prepare``)."""
+    x = _operands.prepare(cfg, q, k, weights, kv_start, kv_end, k_scale, q_at)
     results = _operands.kernel_call(
         functools.partial(_forward_kernel, cfg=cfg, softmax_scale=softmax_scale, head_dim=x.head_dim),
         x,
