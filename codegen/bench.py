@@ -27,10 +27,12 @@ SHAPES = ((1, 64, 8192, 128, 2048, 512), (1, 64, 32768, 128, 8192, 1024))
 # And for the sparse stage, where top_k is a sixteenth of W, only these cases: the sparse kernels and
 # the dense score they would replace, timed side by side.
 SPARSE_SHAPES = ((1, 64, 8192, 128, 2048, 128), (1, 64, 16384, 128, 8192, 512))
+# A variant's sparse_score cases: the random and the shared selection through the sparse kernels, and
+# the random one through the dense route.
+SPARSE_CASES = ("sparse", "sparse.grad", "sparse.shared", "sparse.shared.grad", "sparse.dense", "sparse.dense.grad")
 SPARSE_SHAPE_CASES = frozenset(
-    ("stacked", "score.causal", "grad.causal", "sparse", "sparse.grad", "sparse.shared",
-     "sparse.shared.grad", "sparse.dense", "sparse.dense.grad", "xla_sparse", "xla_sparse.grad")
-)  # fmt: skip
+    ("stacked", "score.causal", "grad.causal", *SPARSE_CASES, "xla_sparse", "xla_sparse.grad")
+)
 # A shared selection (``shared_selection``): each query's last top_k - SHARED_OTHERS visible blocks
 # and SHARED_OTHERS more drawn from the rest of its visible range, as neighbouring queries' picks
 # overlap in a trained indexer.
@@ -40,8 +42,7 @@ SHARED_OTHERS = 16
 VARIANT_CASES = (
     "score.unmasked", "score.causal", "score.masked", "score.band8", "score.band4", "score.band2",
     "grad.unmasked", "grad.causal",
-    "topk", "topk.sharded", "topk.lax", "topk.approx", "sparse", "sparse.grad", "sparse.shared",
-    "sparse.shared.grad", "sparse.dense", "sparse.dense.grad", "loss.dense", "loss.sparse",
+    "topk", "topk.sharded", "topk.lax", "topk.approx", *SPARSE_CASES, "loss.dense", "loss.sparse",
 )  # fmt: skip
 # Once per shape (``stacked`` always: the ratios are read against it), and the calibration once a run.
 PEER_CASES = ("stacked", "xla", "xla.grad", "xla_sparse", "xla_sparse.grad", "matmul")
@@ -481,8 +482,7 @@ class Bench:
                 (*args, *causal),
                 p.flops(p.pairs["causal"], 5),
             )
-        if not {"sparse", "sparse.grad", "sparse.shared", "sparse.shared.grad", "sparse.dense", "sparse.dense.grad",
-                "loss.sparse", "xla_sparse", "xla_sparse.grad"} & cases:  # fmt: skip
+        if not {*SPARSE_CASES, "loss.sparse", "xla_sparse", "xla_sparse.grad"} & cases:
             return
         # Each query's top_k of its causal scores, as the indexer selects them: made by this variant's
         # forward when the first sparse case runs (the layouts' scores are the same function).

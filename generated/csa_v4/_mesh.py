@@ -71,7 +71,7 @@ def _upcast_bwd(cotangent_dtype, _, cotangent):
 _upcast.defvjp(_upcast_fwd, _upcast_bwd)
 
 
-def vary_together(arrays, grad_dtypes):
+def vary_together(arrays, grad_dtypes=None):
     """``arrays`` (None passes through) cast to vary over every manual axis any of them varies over, so
     that the kernels' outputs and gradients, which declare that union, are right.
 
@@ -79,14 +79,15 @@ def vary_together(arrays, grad_dtypes):
     context or head axis). That sum is done in float32: a narrower input is upcast first, the kernels
     (which compute in its own dtype; see a variant's ``prepare``) return its gradient in float32, and it is
     rounded to ``grad_dtypes[i]`` once, after the sum; summing bfloat16 partials would cost ~2e-3.
+    ``grad_dtypes`` None: no upcast, where autodiff never sees the cast (inside a custom_vjp's rules).
     """
     axes = frozenset().union(*(varying_axes(x) for x in arrays if x is not None))
     if not axes:
         return tuple(arrays)
     out = []
-    for x, grad_dtype in zip(arrays, grad_dtypes):
+    for x, grad_dtype in zip(arrays, grad_dtypes or (None,) * len(arrays)):
         if x is not None and axes - varying_axes(x):
-            if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != jnp.float32:
+            if grad_dtypes and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != jnp.float32:
                 x = _upcast(x, grad_dtype)
             x = vary(x, axes)
         out.append(x)

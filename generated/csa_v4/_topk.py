@@ -390,9 +390,9 @@ def _chunked(
     steps = -(-seq_len // chunk)
     in_place = _operands.reads_in_place(variant, seq_len, chunk)
     if in_place:  # every array varies alike, as the kernels' outputs say (``score`` does the same)
-        arrays = [x for x in (q, k, weights, kv_start, kv_end, k_scale) if x is not None]
-        axes = frozenset().union(*map(_mesh.varying_axes, arrays))
-        q, k, weights, kv_start, kv_end, k_scale = (x if x is None else _mesh.vary(x, axes) for x in (q, k, weights, kv_start, kv_end, k_scale))  # fmt: skip
+        q, k, weights, kv_start, kv_end, k_scale = _mesh.vary_together(
+            (q, k, weights, kv_start, kv_end, k_scale)
+        )
     out_dtype = jnp.dtype(variant["out_dtype"])
 
     def one(_, step):
