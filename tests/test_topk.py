@@ -9,6 +9,9 @@ elements and no sort wider than W / 4.
 
 from __future__ import annotations
 
+import functools
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -105,6 +108,33 @@ def test_score_topk_reads_q_in_place_where_chunks_tile_s(name, seq_len, tiled):
     q_chunk[2 if module.VARIANT["q_layout"] == "head_major" else 1] = 16
     sliced = f"{jnp.dtype(q.dtype).name.replace('bfloat16', 'bf16').replace('float32', 'f32')}{q_chunk}".replace(" ", "")
     assert (sliced + " = dynamic_slice" in jaxpr.replace(", ", ",")) is not in_place
+
+
+@pytest.mark.chip
+@pytest.mark.parametrize("top_k", [64, 512])
+def test_score_topk_selects_chunks_scored_transposed(top_k):
+    """Where head-major chunks are read in place in q blocks of 128 queries or more, the forward writes
+    each chunk's score transposed, [B, W, chunk], and the selection kernel takes it as it stands: no
+    XLA transpose of the score (nor of the selection: the kernel writes [rows, top_k]), and the
+    selection is the dense one bit for bit, over four batch rows and two chunks."""
+    module = VARIANTS["tpu_hm_bf16_q256_w2048c512_hcall"]
+    shape = (4, 4, 512, 128, 300)  # two chunks of 256 queries, one q block each
+    q, k, weights = support.make_inputs(module.VARIANT, shape, seed=5)
+    kv_start, kv_end = support.mask_batch(shape[2], shape[4], seed=6)
+    bounds = dict(kv_start=kv_start, kv_end=kv_end)
+    working_bytes = 4 * 300 * 4 * 6 * 256
+    index, values = _call(module, q, k, weights, top_k, **bounds, working_bytes=working_bytes)
+    expected_index, expected_values = _numpy_topk(support.call(module, q, k, weights, **bounds, interpret=support.INTERPRET), top_k)
+    np.testing.assert_array_equal(np.asarray(index), expected_index)
+    np.testing.assert_array_equal(np.asarray(values.astype(jnp.float32)), expected_values)
+
+
+    def score_transposed_by_xla(working_bytes):  # a [W, rows] transpose of a chunk's score
+        call = functools.partial(_call, module, k=k, weights=weights, top_k=top_k, working_bytes=working_bytes)
+        return re.search(r"bf16\[300,\d+\] = transpose", str(jax.make_jaxpr(lambda q: call(q, **bounds))(q)))
+
+    assert not score_transposed_by_xla(working_bytes)
+    assert score_transposed_by_xla(working_bytes // 2)  # chunks of 128: not whole q blocks, so not in place
 
 
 @pytest.mark.parametrize(

@@ -91,6 +91,20 @@ def mask(block, x, kv_bounds_ref, fill):
     return jnp.where((bounds[:, 0:1] <= blocks) & (blocks < bounds[:, 1:2]), x, fill)
 
 
+def store_scores(cfg, out_ref, block, scores, kv_bounds_ref):
+    """Stores ``block``'s float32 score tile ``scores`` [block_q, width], masked (None: masked whole),
+    at its columns of the out block, or (``cfg.transposed_out``) its transpose, by the XLU, at those
+    rows of the [block_w, block_q] block."""
+    if scores is None:
+        scores = jnp.full((kv_bounds_ref.shape[0], block.width), MASKED_VALUE, jnp.float32)
+    else:
+        scores = mask(block, scores, kv_bounds_ref, MASKED_VALUE)
+    if cfg.transposed_out:
+        out_ref[block.cols, :] = scores.T.astype(out_ref.dtype)
+    else:
+        out_ref[:, block.cols] = scores.astype(out_ref.dtype)
+
+
 def head_groups(heads):
     """Static slices of ``heads`` heads, GRAD_HEAD_GROUP at a time: the backward kernels stack a group
     against the key block per matmul, so only a group's logits and dlogits are held at once."""

@@ -1,9 +1,9 @@
 """Each query's top_k compressed blocks and their scores, without the [B, S, W] score array and without
 sorting W entries: what every variant's ``score_topk`` runs.
 
-The queries are scored a chunk at a time by the variant's own ``score`` (``queries_per_chunk``: the
-chunk's scores and the selection's working arrays stay within ``working_bytes``, 512 MiB unless told),
-and each chunk is cut down to top_k at once, exactly, by ``select``:
+The queries are scored a chunk at a time by the variant's own dense forward (``queries_per_chunk``:
+the chunk's scores and the selection's working arrays stay within ``working_bytes``, 512 MiB unless
+told), and each chunk is cut down to top_k at once, exactly, by ``select``:
 
 - rows that fit VMEM whole (W up to about 16K blocks: ``_select.fits``) by one Pallas kernel,
   ``_select.select``: threshold, compaction and a sort of top_k, all in VMEM, no gather;
@@ -334,24 +334,32 @@ def selection_kernel(width, top_k, dtype):
     return "topk_select" if _select.fits(width, top_k, dtype) else "topk_threshold"
 
 
-def select(scores, top_k, interpret=False, name="topk", kv_start=None, kv_end=None):
+def select(scores, top_k, interpret=False, name="topk", kv_start=None, kv_end=None, transposed=False):
     """The top_k entries of each row of ``scores`` [..., W] (any float dtype): (int32 indices, scores
     there), highest first, a tie to the lower index, index -1 and ``MASKED_VALUE`` past the row's
     visible (finite) entries; exactly ``topk_indices``'s choice, with no sort wider than top_k.
+    ``transposed``: ``scores`` is [B, W, R] (rows that fit VMEM only), the result [B, R, top_k].
 
     Rows that fit VMEM whole (``_select.fits``: W up to about 16K) are selected there, by one kernel
     (``{name}_select``); wider ones by the threshold kernel (``{name}_threshold``) and XLA's
     compaction of the kept blocks (its gathers), reading the row from HBM a pass."""
-    *lead, width = scores.shape
+    if transposed:
+        lead, width = (scores.shape[0], scores.shape[2]), scores.shape[1]
+    else:
+        *lead, width = scores.shape
+        scores = scores.reshape(-1, width)
     if selection_kernel(width, top_k, scores.dtype) == "topk_select":
         flat = [None if x is None else x.reshape(-1) for x in (kv_start, kv_end)]
-        index, key = _select.select(scores.reshape(-1, width), top_k, interpret, f"{name}_select", *flat)
-        values = jnp.where(index >= 0, _select.key_scores(key, scores.dtype), _kernel_ops.MASKED_VALUE)
+        index, values = _select.select(
+            scores, top_k, interpret, f"{name}_select", *flat, transposed=transposed
+        )
         short = top_k - index.shape[-1]  # top_k past the sorted rows (more than W): empty slots
         index = jnp.pad(index, ((0, 0), (0, short)), constant_values=-1)
         values = jnp.pad(values, ((0, 0), (0, short)), constant_values=_kernel_ops.MASKED_VALUE)
         return index.reshape(*lead, top_k), values.astype(scores.dtype).reshape(*lead, top_k)
-    return _select_streamed(scores, top_k, interpret, f"{name}_threshold", kv_start, kv_end)
+    return _select_streamed(
+        scores.reshape(*lead, width), top_k, interpret, f"{name}_threshold", kv_start, kv_end
+    )
 
 
 def _select_streamed(scores, top_k, interpret, name, kv_start, kv_end):
@@ -377,37 +385,35 @@ def _select_streamed(scores, top_k, interpret, name, kv_start, kv_end):
 
 
 def _chunked(
-    variant, score, forward, q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret, top_k, chunk
+    variant, forward, q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret, top_k, chunk
 ):
     """(indices, scores) of every query, ``chunk`` queries at a time in a loop: only a chunk's
-    [B, chunk, W] scores ever exist. ``forward`` (the variant's dense forward) reads a chunk's queries
-    from a head-major q in place where chunks tile S in whole q blocks (``_operands.reads_in_place``);
-    else ``score`` scores a slice of q. (On a v5e at S 32768 that saved 0.22 ms of 25.9.)"""
+    [B, chunk, W] scores ever exist, made by ``forward`` (the variant's dense forward), which reads a
+    chunk's queries from a head-major q in place where chunks tile S in whole q blocks
+    (``_operands.reads_in_place``; else a slice of q), and writes them transposed, [B, W, chunk], as
+    the selection kernel reads them, where its tiles are whole 128 x 128 transposes
+    (``writes_transposed``). On a v5e at S 32768, each saved an XLA copy a chunk: 0.22 and 0.58 ms."""
     seq_axis = 2 if variant["q_layout"] == "head_major" else 1
     batch, _, seq_len, _ = _checks.q_dims(q, variant["q_layout"])
     steps = -(-seq_len // chunk)
     in_place = _operands.reads_in_place(variant, seq_len, chunk)
-    if in_place:  # every array varies alike, as the kernels' outputs say (``score`` does the same)
-        q, k, weights, kv_start, kv_end, k_scale = _mesh.vary_together(
-            (q, k, weights, kv_start, kv_end, k_scale)
-        )
+    transposed = writes_transposed(variant, k.shape[1], top_k, chunk)
+    # every array varies alike, as the kernels' outputs say (``score`` does the same)
+    q, k, weights, kv_start, kv_end, k_scale = _mesh.vary_together((q, k, weights, kv_start, kv_end, k_scale))
     out_dtype = jnp.dtype(variant["out_dtype"])
 
     def one(_, step):
         # the last chunk ends at S (overlapping the one before), so nothing is padded or copied
         at = jnp.minimum(step * chunk, seq_len - chunk)
         rows = [jax.lax.dynamic_slice_in_dim(x, at, chunk, 1) for x in (weights, kv_start, kv_end)]
-        if in_place:
-            arrays = (q, k, *rows, k_scale)
-            scores = _mesh.interpretable(
-                lambda a: forward(*a, softmax_scale, interpret, out_dtype, q_at=at), arrays, interpret
-            )
-        else:
-            scores = score(
-                jax.lax.dynamic_slice_in_dim(q, at, chunk, seq_axis), k, rows[0], kv_start=rows[1], kv_end=rows[2],
-                k_scale=k_scale, softmax_scale=softmax_scale, interpret=interpret,
-            )  # fmt: skip
-        return None, select(scores, top_k, interpret, f"{variant['name']}_topk", rows[1], rows[2])
+        queries = q if in_place else jax.lax.dynamic_slice_in_dim(q, at, chunk, seq_axis)
+        scores = _mesh.interpretable(
+            lambda a: forward(*a, softmax_scale, interpret, out_dtype, q_at=at if in_place else None,
+                              transposed=transposed),
+            (queries, k, *rows, k_scale),
+            interpret,
+        )  # fmt: skip
+        return None, select(scores, top_k, interpret, f"{variant['name']}_topk", rows[1], rows[2], transposed)
 
     _, chunks = jax.lax.scan(one, None, jnp.arange(steps))
     tail = seq_len - (steps - 1) * chunk  # rows of the last chunk not already in the one before
@@ -421,16 +427,22 @@ def _chunked(
     return tuple(assemble(x) for x in chunks)
 
 
-def differentiable(variant, score, sparse_score, forward):
-    """A variant's ``score_topk`` over its ``score`` and dense ``forward`` (which score each chunk: see
-    ``_chunked``) and ``sparse_score`` (whose gradient at the selected blocks is the scores')."""
+def writes_transposed(variant, width, top_k, chunk):
+    """Whether ``score_topk``'s chunks of ``chunk`` queries are scored as [B, W, chunk]: where the
+    selection kernel takes them (rows that fit VMEM) and the forward's tiles transpose whole, in q
+    blocks of a multiple of 128 queries that tile the chunk."""
+    block_q = variant["block_q"]
+    return block_q % 128 == 0 and chunk % block_q == 0 and _select.fits(width, top_k, variant["out_dtype"])
+
+
+def differentiable(variant, sparse_score, forward):
+    """A variant's ``score_topk`` over its dense ``forward`` (which scores each chunk: see ``_chunked``)
+    and ``sparse_score`` (whose gradient at the selected blocks is the scores')."""
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
     def core(q, k, weights, k_scale, kv_start, kv_end, softmax_scale, interpret, top_k, chunk):
-        return _chunked(
-            variant, score, forward, q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret, top_k,
-            chunk,
-        )  # fmt: skip
+        args = (q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret, top_k, chunk)
+        return _chunked(variant, forward, *args)
 
     def core_fwd(q, k, weights, k_scale, kv_start, kv_end, softmax_scale, interpret, top_k, chunk):
         out = core(q, k, weights, k_scale, kv_start, kv_end, softmax_scale, interpret, top_k, chunk)

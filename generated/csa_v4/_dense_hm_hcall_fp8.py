@@ -173,21 +173,19 @@ def _forward_kernel(
             acc = _contract_heads(logits, weights)
             # relu(q.k * s) = relu(q.k) * s for a key scale s > 0
             scores = softmax_scale * acc * k_scale_ref[:, block.cols]
-            out_ref[:, block.cols] = _kernel_ops.mask(
-                block, scores, kv_bounds_ref, _kernel_ops.MASKED_VALUE
-            ).astype(out_ref.dtype)
+            _kernel_ops.store_scores(cfg, out_ref, block, scores, kv_bounds_ref)
 
         @pl.when(jnp.logical_not(block.work))
         def _store_masked():
-            out_ref[:, block.cols] = jnp.full(
-                (out_ref.shape[0], block.width), _kernel_ops.MASKED_VALUE, out_ref.dtype
-            )
+            _kernel_ops.store_scores(cfg, out_ref, block, None, kv_bounds_ref)
 
 
-def forward(cfg, q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret, out_dtype, q_at=None):
+def forward(cfg, q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret, out_dtype, q_at=None, transposed=False):  # fmt: skip
     """The score of the variant ``cfg`` in ``out_dtype`` through one pallas_call; never holds more than a [block_q, block_w] tile of logits.
-    ``q_at``: None, or where in ``q`` the queries of ``weights`` start (``_operands.prepare``)."""
+    ``q_at``: None, or where in ``q`` the queries of ``weights`` start (``_operands.prepare``);
+    ``transposed``: the score as [B, W, S] (``_operands.Config.transposed_out``)."""
     x = _operands.prepare(cfg, q, k, weights, kv_start, kv_end, k_scale, q_at)
+    cfg = cfg._replace(transposed_out=transposed)
     results = _operands.kernel_call(
         functools.partial(_forward_kernel, cfg=cfg, softmax_scale=softmax_scale, head_dim=x.head_dim),
         x,
@@ -207,7 +205,7 @@ def forward(cfg, q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interp
         interpret=interpret,
     )
 
-    return _operands.crop_to(results[0], (x.batch, x.seq_len, x.num_blocks))
+    return _operands.crop_to(results[0], _operands.score_shape(x, cfg))
 
 
 def _dq_dweights_kernel(

@@ -171,15 +171,11 @@ def _forward_kernel(
             for c in range(1, weights_ref.shape[0]):  # the other head chunks: one matmul each
                 acc += _head_sum(cfg, q_ref, k, weights_ref, c, head_dim)
             scores = softmax_scale * acc
-            out_ref[:, block.cols] = _kernel_ops.mask(
-                block, scores, kv_bounds_ref, _kernel_ops.MASKED_VALUE
-            ).astype(out_ref.dtype)
+            _kernel_ops.store_scores(cfg, out_ref, block, scores, kv_bounds_ref)
 
         @pl.when(jnp.logical_not(block.work))
         def _store_masked():
-            out_ref[:, block.cols] = jnp.full(
-                (out_ref.shape[0], block.width), _kernel_ops.MASKED_VALUE, out_ref.dtype
-            )
+            _kernel_ops.store_scores(cfg, out_ref, block, None, kv_bounds_ref)
 
 
 def _head_sum(cfg, q_ref, k, weights_ref, c, head_dim):
@@ -192,10 +188,12 @@ def _head_sum(cfg, q_ref, k, weights_ref, c, head_dim):
     return _contract_heads(logits, weights)
 
 
-def forward(cfg, q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret, out_dtype, q_at=None):
+def forward(cfg, q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interpret, out_dtype, q_at=None, transposed=False):  # fmt: skip
     """The score of the variant ``cfg`` in ``out_dtype`` through one pallas_call; never holds more than a [block_q, block_w] tile of logits.
-    ``q_at``: None, or where in ``q`` the queries of ``weights`` start (``_operands.prepare``)."""
+    ``q_at``: None, or where in ``q`` the queries of ``weights`` start (``_operands.prepare``);
+    ``transposed``: the score as [B, W, S] (``_operands.Config.transposed_out``)."""
     x = _operands.prepare(cfg, q, k, weights, kv_start, kv_end, k_scale, q_at)
+    cfg = cfg._replace(transposed_out=transposed)
     results = _operands.kernel_call(
         functools.partial(_forward_kernel, cfg=cfg, softmax_scale=softmax_scale, head_dim=x.head_dim),
         x,
@@ -215,7 +213,7 @@ def forward(cfg, q, k, weights, kv_start, kv_end, k_scale, softmax_scale, interp
         interpret=interpret,
     )
 
-    return _operands.crop_to(results[0], (x.batch, x.seq_len, x.num_blocks))
+    return _operands.crop_to(results[0], _operands.score_shape(x, cfg))
 
 
 def _dq_dweights_kernel(

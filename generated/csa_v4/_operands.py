@@ -34,6 +34,10 @@ class Config(NamedTuple):
     # ops per (query, block), whether per head chunk)
     work: dict
     vmem_limit_bytes: dict  # kernel -> the scoped VMEM it is compiled with (None: the chip's default)
+    # The forward writes its score transposed, [B, W, S]: ``score_topk``'s selection kernel reads a
+    # query's scores down the sublanes of one lane, so no XLA copy transposes them (``forward``'s
+    # ``transposed``; the kernels' tiles go through ``_kernel_ops.store_scores``).
+    transposed_out: bool = False
 
     @property
     def name(self):
@@ -60,6 +64,11 @@ def pad_to(x, axis, size):
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, size - x.shape[axis])
     return jnp.pad(x, widths)
+
+
+def score_shape(x, cfg):
+    """The score's shape, [B, S, W], or [B, W, S] where ``cfg.transposed_out``."""
+    return (x.batch, x.num_blocks, x.seq_len) if cfg.transposed_out else (x.batch, x.seq_len, x.num_blocks)
 
 
 def crop_to(x, shape):
@@ -243,6 +252,13 @@ def kernel_call(kernel, x, cfg, *, name, grid_axes, grid, semantics, reads, writ
     grid axes each operand's block index moves with, for the cost estimate.
     """
     in_specs, out_specs = block_specs(x, reads), block_specs(x, writes)
+    if cfg.transposed_out:  # the score's tiles at (b, j, i) of [B, W, S]
+        out_specs["out"] = _transposed(out_specs["out"])
+        struct = outputs["out"]
+        outputs = {
+            **outputs,
+            "out": jax.ShapeDtypeStruct((*struct.shape[:-2], *struct.shape[:-3:-1]), struct.dtype),
+        }
     if x.q_at is not None:  # q read in place: its block index moves by q_at, a last scalar prefetch
         q_block = next(name for name, array in inputs.items() if array is x.q)  # "q" or "q_all_heads"
         in_specs[q_block] = _shifted(in_specs[q_block], 2 if cfg.head_major else 1)
@@ -279,6 +295,17 @@ def _shifted(spec, axis):
         return tuple(at)
 
     return pl.BlockSpec(spec.block_shape, index)
+
+
+def _transposed(spec):
+    """``spec`` of the transposed array: its last two block dims and block indices swapped."""
+
+    def index(*grid_and_refs):
+        *lead, i, j = spec.index_map(*grid_and_refs)
+        return (*lead, j, i)
+
+    *lead, rows, cols = spec.block_shape
+    return pl.BlockSpec((*lead, cols, rows), index)
 
 
 def _without_last_prefetch(kernel, count):

@@ -36,7 +36,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import _geometry, _mesh
+from . import _geometry, _kernel_ops, _mesh
 
 ROWS = _geometry.LANES  # rows a block: one a lane
 SUBLANES = 8  # rows of int32 in a vreg: a step works on [8, 128] at a time
@@ -65,7 +65,7 @@ def vmem_bytes(width: int, top_k: int, dtype) -> int:
     arrays = 2 if packed else 3
     height = max(padded, n) + SUBLANES
     scratch = (2 * arrays * height + padded) * ROWS * 4
-    return scratch + 2 * padded * ROWS * jnp.dtype(dtype).itemsize + 2 * (arrays - 1) * n * ROWS * 4
+    return scratch + 2 * (padded + n) * ROWS * jnp.dtype(dtype).itemsize + 2 * n * ROWS * 4
 
 
 def fits(width: int, top_k: int, dtype) -> bool:
@@ -128,9 +128,9 @@ def _count(ref, lo, hi, predicate):
 
 def _kernel(spans_ref, scores_ref, *refs, top_k, bits, packed, n, steps, unrolled):
     """One block of 128 rows (lanes) of W scores (sublanes): the sorted top_k of each, see the module
-    docstring. Outputs [n, 128]: the packed key and index, or the key and the index."""
-    outputs, arrays = (1, 2) if packed else (2, 3)
-    outs, buffers, key_ref = refs[:outputs], refs[outputs:-1], refs[-1]
+    docstring. Outputs [128, n]: each row's indices and scores, in score order (``_put_ranked``)."""
+    arrays = 2 if packed else 3
+    outs, buffers, key_ref = refs[:2], refs[2:-1], refs[-1]
     here, there = buffers[:arrays], buffers[arrays:]  # the network reads one and writes the other
     unroll = UNROLL if unrolled else 1  # interpreted, code is compile time: loops, not copies
     block = pl.program_id(0)
@@ -289,8 +289,38 @@ def _kernel(spans_ref, scores_ref, *refs, top_k, bits, packed, n, steps, unrolle
                 over(nv, within)
             stride //= 2
         size *= 2
-    for out, x in zip(outs, values):
-        out[...] = x[0:n, :]
+    _put_ranked(values, outs, n, packed)
+
+
+def _put_ranked(values, outs, n, packed):
+    """The sorted rows ``values`` (row ``8 v + s``: sort position ``s * n / 8 + v`` of each lane's row)
+    into the outputs' rows, [128, width]: the indices (-1 past a row's visible blocks) and the scores
+    there (``MASKED_VALUE`` past them), in the scores' dtype. A [128, 128] tile of sort positions a
+    transpose: stride-8 loads of the rows holding them, then one XLU transpose (of the packed word, or
+    of the key and the index), so no XLA copy transposes or decodes the result."""
+    per = n // SUBLANES  # sort positions a sublane holds
+    rows = min(per, ROWS)  # of them a strided load takes
+    width = outs[0].shape[1]
+    for c in range(-(-width // ROWS)):
+        parts = []
+        for at in range(c * ROWS, min((c + 1) * ROWS, n), rows):
+            s, v = divmod(at, per)
+            parts.append([x[pl.ds(SUBLANES * v + s, rows, stride=SUBLANES), :] for x in values])
+        tiles = [jnp.concatenate(p, axis=0) if len(p) > 1 else p[0] for p in zip(*parts)]
+        if tiles[0].shape[0] < ROWS:  # fewer than 128 positions (n 64): padded, then cut
+            tiles = [jnp.pad(t, ((0, ROWS - t.shape[0]), (0, 0)), constant_values=INT_MIN) for t in tiles]
+        tiles = [t.T for t in tiles]  # [128 rows, 128 positions]
+        if packed:  # the key's top 16 bits, the complement of the index: the low bits ``int_keys`` leaves
+            (p,) = tiles
+            index = jnp.where(p != INT_MIN, 0xFFFF - (p & 0xFFFF), -1)
+            key = (p & jnp.int32(-65536)) | jnp.where(p < 0, 0xFFFF, 0)
+        else:
+            key, index = tiles
+            index = jnp.where(key != INT_MIN, index, -1)
+        scores = jnp.where(index >= 0, _key_floats(key), _kernel_ops.MASKED_VALUE)
+        cols = pl.ds(c * ROWS, min(ROWS, width - c * ROWS))
+        outs[0][:, cols] = index[:, : cols.size]
+        outs[1][:, cols] = scores[:, : cols.size].astype(outs[1].dtype)
 
 
 def visible_range(kv_start, kv_end, width: int, block_rows: int):
@@ -316,18 +346,31 @@ def spans(kv_start, kv_end, width: int):
     return xp.stack([first, end], 1).reshape(-1).astype(xp.int32)
 
 
-def select(scores, top_k, interpret=False, name="topk_select", kv_start=None, kv_end=None):
-    """(int32 [R, k] indices, int32 [R, k] keys) of each row of ``scores`` [R, W] (``k`` = min(top_k, n)):
-    highest first, a tie to the lower index; index -1 and key ``INT_MIN`` past the row's visible
-    entries. ``kv_start``, ``kv_end`` [R]: the rows' visible blocks (the passes skip the others)."""
-    rows, width = scores.shape
+def select(scores, top_k, interpret=False, name="topk_select", kv_start=None, kv_end=None, transposed=False):
+    """(int32 [R, k] indices, [R, k] scores) of each row of ``scores`` [R, W] (``k`` = min(top_k, n)):
+    highest first, a tie to the lower index; index -1 and ``MASKED_VALUE`` past the row's visible
+    entries. ``kv_start``, ``kv_end`` [R]: the rows' visible blocks (the passes skip the others).
+    ``transposed``: ``scores`` is [B, W, R / B], a row down the sublanes as the kernel reads it (the
+    dense forward's ``transposed``), so no XLA copy transposes it."""
+    if not transposed:
+        scores = scores.T[None]
+    batch, width, per_batch = scores.shape
+    rows = batch * per_batch
     padded, n, steps, packed = geometry(width, top_k, scores.dtype)
-    total = _geometry.round_up(rows, ROWS)
-    transposed = jnp.pad(scores, ((0, total - rows), (0, padded - width)), constant_values=-jnp.inf).T
+    blocks = -(-per_batch // ROWS)  # of a batch's rows
+    total = blocks * ROWS
+    widths = ((0, 0), (0, padded - width), (0, total - per_batch))
+    if widths != ((0, 0),) * 3:
+        scores = jnp.pad(scores, widths, constant_values=-jnp.inf)
     if kv_start is None:
         kv_start, kv_end = jnp.zeros(rows, jnp.int32), jnp.full(rows, width, jnp.int32)
-    bounds = spans(kv_start, kv_end, width)
-    arrays, outputs = (2, 1) if packed else (3, 2)
+    # a batch's rows padded to whole blocks, seeing nothing
+    kv = [
+        jnp.pad(x.reshape(batch, per_batch), ((0, 0), (0, total - per_batch))).reshape(-1)
+        for x in (kv_start, kv_end)
+    ]
+    bounds = spans(*kv, width)
+    arrays = 2 if packed else 3
     bits = _PACKED_BITS if jnp.dtype(scores.dtype) == jnp.bfloat16 else 32
     height = max(padded, n) + SUBLANES
     call = pl.pallas_call(
@@ -336,13 +379,15 @@ def select(scores, top_k, interpret=False, name="topk_select", kv_start=None, kv
         ),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
-            grid=(total // ROWS,),
-            in_specs=[pl.BlockSpec((padded, ROWS), lambda i, s: (0, i))],
-            out_specs=[pl.BlockSpec((n, ROWS), lambda i, s: (0, i))] * outputs,
+            grid=(batch * blocks,),
+            in_specs=[pl.BlockSpec((None, padded, ROWS), lambda i, s: (i // blocks, 0, i % blocks))],
+            out_specs=[pl.BlockSpec((ROWS, n), lambda i, s: (i, 0))] * 2,
             scratch_shapes=[pltpu.VMEM((height, ROWS), jnp.int32)] * (2 * arrays)
             + [pltpu.VMEM((padded, ROWS), jnp.int32)],
         ),
-        out_shape=[_mesh.out_struct((n, total), jnp.int32, scores)] * outputs,
+        out_shape=[
+            _mesh.out_struct((batch * total, n), dtype, scores) for dtype in (jnp.int32, scores.dtype)
+        ],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel",),
             vmem_limit_bytes=_geometry.vmem_limit(vmem_bytes(width, top_k, scores.dtype), 0),
@@ -350,22 +395,19 @@ def select(scores, top_k, interpret=False, name="topk_select", kv_start=None, kv
         interpret=interpret,
         name=name,
     )
-    outs = _mesh.interpretable(lambda a: call(*a), (bounds, transposed), interpret)
+    index, values = _mesh.interpretable(lambda a: call(*a), (bounds, scores), interpret)
+    # XLA (TPU, JAX 0.10.2) would fuse a caller's dynamic-update-slice of the result (``score_topk``'s
+    # loop stacking its chunks) into this kernel, and grant the fusion only the default 16 MiB of
+    # scoped VMEM, not ``vmem_limit_bytes``: a compile error at W 8192
+    index, values = jax.lax.optimization_barrier((index, values))
     k = min(top_k, n)
-
-    def ranked(x):  # row 8 v + s holds sort position s * n / 8 + v; rows back to [R, k]
-        return x.reshape(n // SUBLANES, SUBLANES, total).transpose(2, 1, 0).reshape(total, n)[:rows, :k]
-
-    if packed:
-        p = ranked(outs[0])
-        key = (p & jnp.int32(-65536)) | jnp.where(p < 0, 0xFFFF, 0)  # the low bits ``_keys`` leaves
-        index = 0xFFFF - (p & 0xFFFF)
-        return jnp.where(p != INT_MIN, index, -1), jnp.where(p != INT_MIN, key, INT_MIN)
-    key, index = ranked(outs[0]), ranked(outs[1])
-    return jnp.where(key != INT_MIN, index, -1), key
+    if (total, n) != (per_batch, k):
+        index, values = (
+            x.reshape(batch, total, n)[:, :per_batch, :k].reshape(rows, k) for x in (index, values)
+        )
+    return index, values
 
 
-def key_scores(key, dtype):
-    """The scores (``dtype``) whose int32 keys are ``key`` (``to_keys`` undone; INT_MIN: any value)."""
-    bits = jnp.where(key < 0, key ^ 0x7FFFFFFF, key)
-    return jax.lax.bitcast_convert_type(bits, jnp.float32).astype(dtype)
+def _key_floats(key):
+    """The float32 scores whose int32 keys are ``key`` (``int_keys`` undone; INT_MIN: any value)."""
+    return jax.lax.bitcast_convert_type(jnp.where(key < 0, key ^ 0x7FFFFFFF, key), jnp.float32)

@@ -159,7 +159,7 @@ def sparse_score(q, k, weights, indices, *, k_scale=None, softmax_scale=None, ro
 # score_topk(q, k, weights, top_k, *, kv_start=None, kv_end=None, k_scale=None, softmax_scale=None,
 # interpret=False, working_bytes=512 MiB) -> (int32 indices, bfloat16 scores) [B, S, top_k]: exactly
 # topk_indices(score(...), top_k) and score(...) there, never holding the [B, S, W] scores (``_topk``).
-score_topk = _topk.differentiable(VARIANT, score, functools.partial(sparse_score, route="sparse"), _forward)
+score_topk = _topk.differentiable(VARIANT, functools.partial(sparse_score, route="sparse"), _forward)
 # score_topk on a mesh, over sharded_score's batch and context axes (``_topk.sharded``).
 sharded_score_topk = functools.partial(_topk.sharded, VARIANT, score_topk)
 
