@@ -5,7 +5,7 @@ The queries are scored a chunk at a time by the variant's own dense forward (``q
 the chunk's scores and the selection's working arrays stay within ``working_bytes``, 512 MiB unless
 told), and each chunk is cut down to top_k at once, exactly, by ``select``:
 
-- rows that fit VMEM whole (W up to about 16K blocks: ``_select.fits``) by one Pallas kernel,
+- rows that fit VMEM whole (W up to about 30K blocks: ``_select.fits``) by one Pallas kernel,
   ``_select.select``: threshold, compaction and a sort of top_k, all in VMEM, no gather;
 - wider rows (a context-parallel shard of a 1M-token context) streamed from HBM:
 
@@ -340,7 +340,7 @@ def select(scores, top_k, interpret=False, name="topk", kv_start=None, kv_end=No
     visible (finite) entries; exactly ``topk_indices``'s choice, with no sort wider than top_k.
     ``transposed``: ``scores`` is [B, W, R] (rows that fit VMEM only), the result [B, R, top_k].
 
-    Rows that fit VMEM whole (``_select.fits``: W up to about 16K) are selected there, by one kernel
+    Rows that fit VMEM whole (``_select.fits``: W up to about 30K) are selected there, by one kernel
     (``{name}_select``); wider ones by the threshold kernel (``{name}_threshold``) and XLA's
     compaction of the kept blocks (its gathers), reading the row from HBM a pass."""
     if transposed:

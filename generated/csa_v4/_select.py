@@ -17,14 +17,16 @@ Per block, all in VMEM, every step a vreg at a time (eight compressed blocks of 
    Taken lowest bit first, two kept blocks never land on one row (a later block's shift exceeds an
    earlier one's by less than the rows between them), so each step is a select per vreg; a bfloat16
    block's key and index share one int32 (``_PACKED_BITS``), else they travel as two. (Two bits a
-   step, three selects per vreg from three rows below, was 4% slower on a v5e.)
+   step, three selects per vreg from three rows below, was 4% slower on a v5e.) The steps work in
+   place: row v is written after rows v and up are read, in increasing v;
 5. a bitonic sort of the first ``n`` rows (top_k rounded up to a power of two), highest first, a tie
    to the lower index. Row ``8 v + s`` holds sort position ``s * n / 8 + v``, so every compare-exchange
-   at a stride below ``n / 8`` pairs two whole vregs, and only the three widest strides rotate sublanes.
+   at a stride below ``n / 8`` pairs two whole vregs, and only the three widest strides rotate sublanes;
+6. the rows' indices and scores written [128 rows, n] (``_put_ranked``: XLU transposes).
 
 The passes run over the vregs holding a block any of the block's rows sees (``spans``), so a causal
-call makes them over half its rows on average. The caller transposes the scores in and the result out
-(``ranked``): an XLA copy of the chunk's scores, and one of the [rows, top_k] result.
+call makes them over half its rows on average. The scores come in as [B, W, rows] (``score_topk``'s
+forward writes them so; ``select`` transposes any others in XLA).
 """
 
 import functools
@@ -46,9 +48,14 @@ INT_MIN = -(2**31)
 # A key's significant top bits: bfloat16 scores' float32 bits end in 16 zeros, so their key and
 # their index (W up to 2^16) share one int32 that orders as (key, then the lower index) does.
 _PACKED_BITS = 16
-# VMEM the kernel may ask for: four or six [W, 128] int32 buffers and the keys, and the scores
+# VMEM the kernel may ask for: two or three [W, 128] int32 buffers, and the scores
 # double-buffered. A wider row takes ``_topk``'s selection that streams the row from HBM instead.
 VMEM_LIMIT_BYTES = 48 * 2**20
+# XLA (TPU, JAX 0.10.2) fuses a caller's dynamic-update-slice of the result (``score_topk``'s loop
+# stacking its chunks) into the kernel, which then writes its blocks in place (0.3 ms a call at S
+# 32768 on a v5e), but grants the fusion only the default scoped VMEM (16 MiB on a v5e), not the
+# kernel's limit: a kernel that needs more is kept apart from it by an optimization barrier.
+XLA_FUSION_VMEM_BYTES = 16 * 2**20
 
 
 def geometry(width: int, top_k: int, dtype) -> tuple[int, int, int, bool]:
@@ -60,11 +67,11 @@ def geometry(width: int, top_k: int, dtype) -> tuple[int, int, int, bool]:
 
 
 def vmem_bytes(width: int, top_k: int, dtype) -> int:
-    """The kernel's VMEM: scratch buffers, keys, the scores block (double-buffered) and the outputs."""
+    """The kernel's VMEM: its two or three buffers, the scores block and the outputs (double-buffered)."""
     padded, n, _, packed = geometry(width, top_k, dtype)
     arrays = 2 if packed else 3
     height = max(padded, n) + SUBLANES
-    scratch = (2 * arrays * height + padded) * ROWS * 4
+    scratch = arrays * height * ROWS * 4
     return scratch + 2 * (padded + n) * ROWS * jnp.dtype(dtype).itemsize + 2 * n * ROWS * 4
 
 
@@ -130,8 +137,10 @@ def _kernel(spans_ref, scores_ref, *refs, top_k, bits, packed, n, steps, unrolle
     """One block of 128 rows (lanes) of W scores (sublanes): the sorted top_k of each, see the module
     docstring. Outputs [128, n]: each row's indices and scores, in score order (``_put_ranked``)."""
     arrays = 2 if packed else 3
-    outs, buffers, key_ref = refs[:2], refs[2:-1], refs[-1]
-    here, there = buffers[:arrays], buffers[arrays:]  # the network reads one and writes the other
+    outs, here = refs[:2], refs[2:]
+    # The keys, then the payloads in place of them: a pass reads a row before it writes it, and each
+    # network step writes row v after reading rows v and up only (in_place network, see below).
+    key_ref = here[0]
     unroll = UNROLL if unrolled else 1  # interpreted, code is compile time: loops, not copies
     block = pl.program_id(0)
     lo, hi = spans_ref[2 * block], spans_ref[2 * block + 1]  # the vregs holding blocks the rows see
@@ -202,10 +211,10 @@ def _kernel(spans_ref, scores_ref, *refs, top_k, bits, packed, n, steps, unrolle
         d = 1 << step
         bit = jnp.int32(d | INT_MIN)  # an empty row's shift, -1, has the sign bit: it neither moves nor stays
 
-        def settle(v, cur, incoming, there=there, d=d, bit=bit):
+        def settle(v, cur, incoming, d=d, bit=bit):
             take = (incoming[1] & bit) == d
             stay = (cur[1] & bit) == 0
-            for a, new, old, e in zip(there, incoming, cur, empty):
+            for a, new, old, e in zip(here, incoming, cur, empty):
                 a[_rows(v), :] = jnp.where(take, new, jnp.where(stay, old, e))
 
         def move(v, _, here=here, d=d, settle=settle):
@@ -234,9 +243,8 @@ def _kernel(spans_ref, scores_ref, *refs, top_k, bits, packed, n, steps, unrolle
             return _
 
         split = jnp.maximum(hi - max(1, d // SUBLANES), 0)
-        _each(0, split, move, unroll=unroll)
+        _each(0, split, move, unroll=unroll)  # in place: rows in order, row v from rows v and up
         _each(split, hi, last, unroll=1)
-        here, there = there, here
     nv = n // SUBLANES
     _each(jnp.minimum(hi, nv), nv, clear, unroll=1)
 
@@ -382,8 +390,7 @@ def select(scores, top_k, interpret=False, name="topk_select", kv_start=None, kv
             grid=(batch * blocks,),
             in_specs=[pl.BlockSpec((None, padded, ROWS), lambda i, s: (i // blocks, 0, i % blocks))],
             out_specs=[pl.BlockSpec((ROWS, n), lambda i, s: (i, 0))] * 2,
-            scratch_shapes=[pltpu.VMEM((height, ROWS), jnp.int32)] * (2 * arrays)
-            + [pltpu.VMEM((padded, ROWS), jnp.int32)],
+            scratch_shapes=[pltpu.VMEM((height, ROWS), jnp.int32)] * arrays,
         ),
         out_shape=[
             _mesh.out_struct((batch * total, n), dtype, scores) for dtype in (jnp.int32, scores.dtype)
@@ -396,10 +403,8 @@ def select(scores, top_k, interpret=False, name="topk_select", kv_start=None, kv
         name=name,
     )
     index, values = _mesh.interpretable(lambda a: call(*a), (bounds, scores), interpret)
-    # XLA (TPU, JAX 0.10.2) would fuse a caller's dynamic-update-slice of the result (``score_topk``'s
-    # loop stacking its chunks) into this kernel, and grant the fusion only the default 16 MiB of
-    # scoped VMEM, not ``vmem_limit_bytes``: a compile error at W 8192
-    index, values = jax.lax.optimization_barrier((index, values))
+    if vmem_bytes(width, top_k, scores.dtype) > XLA_FUSION_VMEM_BYTES:
+        index, values = jax.lax.optimization_barrier((index, values))
     k = min(top_k, n)
     if (total, n) != (per_batch, k):
         index, values = (
