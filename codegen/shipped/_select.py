@@ -134,8 +134,7 @@ def _count(ref, lo, hi, predicate):
 def _kernel(spans_ref, scores_ref, *refs, top_k, bits, packed, n, steps, unrolled):
     """One block of 128 rows (lanes) of W scores (sublanes): the sorted top_k of each, see the module
     docstring. Outputs [128, n]: each row's indices and scores, in score order (``_put_ranked``)."""
-    arrays = 2 if packed else 3
-    outs, here = refs[:2], refs[2:]
+    outs, here = refs[:2], refs[2:]  # here: the packed key and index and the shift, or key, shift, index
     # The keys, then the payloads in place of them: a pass reads a row before it writes it, and each
     # network step writes row v after reading rows v and up only (in_place network, see below).
     key_ref = here[0]
@@ -145,7 +144,7 @@ def _kernel(spans_ref, scores_ref, *refs, top_k, bits, packed, n, steps, unrolle
     sub = jax.lax.broadcasted_iota(jnp.int32, (SUBLANES, ROWS), 0)
     # an empty row: the lowest payload, no shift (-1), no index
     empty = [jnp.full((SUBLANES, ROWS), INT_MIN, jnp.int32)] + [jnp.full((SUBLANES, ROWS), -1, jnp.int32)] * (
-        arrays - 1
+        len(here) - 1
     )
 
     def to_keys(v, _):
@@ -379,6 +378,7 @@ def select(scores, top_k, interpret=False, name="topk_select", kv_start=None, kv
     arrays = 2 if packed else 3
     bits = _PACKED_BITS if jnp.dtype(scores.dtype) == jnp.bfloat16 else 32
     height = max(padded, n) + SUBLANES
+    need = vmem_bytes(width, top_k, scores.dtype)
     call = pl.pallas_call(
         functools.partial(
             _kernel, top_k=top_k, bits=bits, packed=packed, n=n, steps=steps, unrolled=not interpret
@@ -395,13 +395,13 @@ def select(scores, top_k, interpret=False, name="topk_select", kv_start=None, kv
         ],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel",),
-            vmem_limit_bytes=_geometry.vmem_limit(vmem_bytes(width, top_k, scores.dtype), 0),
+            vmem_limit_bytes=_geometry.vmem_limit(need, 0),
         ),
         interpret=interpret,
         name=name,
     )
     index, values = _mesh.interpretable(lambda a: call(*a), (bounds, scores), interpret)
-    if vmem_bytes(width, top_k, scores.dtype) > XLA_FUSION_VMEM_BYTES:
+    if need > XLA_FUSION_VMEM_BYTES:
         index, values = jax.lax.optimization_barrier((index, values))
     k = min(top_k, n)
     if (total, n) != (per_batch, k):

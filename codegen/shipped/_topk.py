@@ -356,7 +356,7 @@ def select(scores, top_k, interpret=False, name="topk", kv_start=None, kv_end=No
         short = top_k - index.shape[-1]  # top_k past the sorted rows (more than W): empty slots
         index = jnp.pad(index, ((0, 0), (0, short)), constant_values=-1)
         values = jnp.pad(values, ((0, 0), (0, short)), constant_values=_kernel_ops.MASKED_VALUE)
-        return index.reshape(*lead, top_k), values.astype(scores.dtype).reshape(*lead, top_k)
+        return index.reshape(*lead, top_k), values.reshape(*lead, top_k)  # values: the scores' dtype
     return _select_streamed(
         scores.reshape(*lead, width), top_k, interpret, f"{name}_threshold", kv_start, kv_end
     )
