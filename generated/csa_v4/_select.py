@@ -66,11 +66,16 @@ def geometry(width: int, top_k: int, dtype) -> tuple[int, int, int, bool]:
     return padded, n, max(1, math.ceil(math.log2(padded))), packed
 
 
+def _buffers(padded, n, packed):
+    """The kernel's int32 VMEM buffers, (count, rows of ROWS lanes): the packed key and index and the
+    shift, or key, shift and index; each as tall as the sorted rows or the outputs, and a vreg more."""
+    return (2 if packed else 3), max(padded, n) + SUBLANES
+
+
 def vmem_bytes(width: int, top_k: int, dtype) -> int:
     """The kernel's VMEM: its two or three buffers, the scores block and the outputs (double-buffered)."""
     padded, n, _, packed = geometry(width, top_k, dtype)
-    arrays = 2 if packed else 3
-    height = max(padded, n) + SUBLANES
+    arrays, height = _buffers(padded, n, packed)
     scratch = arrays * height * ROWS * 4
     return scratch + 2 * (padded + n) * ROWS * jnp.dtype(dtype).itemsize + 2 * n * ROWS * 4
 
@@ -377,9 +382,8 @@ def select(scores, top_k, interpret=False, name="topk_select", kv_start=None, kv
         for x in (kv_start, kv_end)
     ]
     bounds = spans(*kv, width)
-    arrays = 2 if packed else 3
+    arrays, height = _buffers(padded, n, packed)
     bits = _PACKED_BITS if jnp.dtype(scores.dtype) == jnp.bfloat16 else 32
-    height = max(padded, n) + SUBLANES
     need = vmem_bytes(width, top_k, scores.dtype)
     call = pl.pallas_call(
         functools.partial(
