@@ -32,10 +32,13 @@ def apply(spec: FamilySpec, p: plan.VariantPlan) -> tuple[plan.VariantPlan, list
     default = min(chip.scoped_vmem_default_bytes for chip in chosen)
     limits = {kernel: geometry.vmem_limit(need, default) for kernel, need in footprints.items()}
     errors, warnings = [], []
-    for kernel, limit in limits.items():
+    for kernel, limit in list(limits.items()):
         need = limit or footprints[kernel]
         short = [chip for chip in chosen if chip.vmem_bytes < need]
-        if short:
+        if short and kernel in plan.OPTIONAL:  # the variant runs without it
+            p = plan.without(p, kernel)
+            del limits[kernel]
+        elif short:
             have = ", ".join(f"{chip.name} {chip.vmem_bytes / geometry.MIB:.0f} MiB" for chip in short)
             errors.append(
                 Problem(

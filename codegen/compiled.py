@@ -212,8 +212,11 @@ def explain(
         cal = calib[(request.chip, calibration_request(plan, request.chip, shape).calibration)]
         compiled = res.kernels()
         # the forward is reported from its own program when that is compiled too
+        program_kernels = tpu_compile.PROGRAMS[request.program]
+        if request.program == "grad":  # the backward kernels this shape takes
+            program_kernels = tuple(k.name for k in cost.call_kernels(plan, tuple(shape)))
         wanted = [
-            k for k in tpu_compile.PROGRAMS[request.program]
+            k for k in program_kernels
             if not (request.program.endswith("grad") and request.program.replace("grad", "fwd") in programs
                     and k.endswith("forward"))
         ]  # fmt: skip

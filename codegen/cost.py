@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from codegen import plan as plan_module
 from codegen.plan import Block, KernelPlan, VariantPlan
 from codegen.shipped import _geometry as geometry
 
@@ -321,6 +322,13 @@ def variant_costs(
 ) -> list[KernelCost]:
     """Every pallas_call of the variant at shape (B, H, S, D, W) (under the mask ``kinds`` classifies)."""
     return [kernel_cost(plan, kernel, shape, kinds) for kernel in plan.kernels]
+
+
+def call_kernels(plan: VariantPlan, shape: tuple[int, int, int, int, int]) -> tuple[KernelPlan, ...]:
+    """The kernels a forward and gradient call at ``shape`` runs: the forward, and the fused backward
+    kernel where one w tile covers W, else the two (``plan.grad_kernels``)."""
+    names = ("forward", *plan_module.grad_kernels(plan, tiling(plan, shape).extents["j"]))
+    return tuple(k for k in plan.kernels if k.name in names)
 
 
 def vmem_footprints(plan: VariantPlan, num_heads: int, head_dim: int) -> dict[str, int]:

@@ -43,7 +43,7 @@ def explain(
     kinds = cost.causal_kinds(t, compress_rate) if causal else None
     shown = kinds or cost.unmasked_kinds(t)
     rows = []
-    for kernel in plan.kernels:
+    for kernel in cost.call_kernels(plan, shape):
         k = cost.kernel_cost(plan, kernel, shape, kinds)
         unmasked = cost.kernel_cost(plan, kernel, shape)
         rows.append(

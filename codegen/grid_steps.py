@@ -59,8 +59,11 @@ BRANCHES = {
     ("dq_dweights", False): Branches(per_block=(("work", ()),), epilogue=(("last", ()),)),
     # zero at the reduction's first step; a block with work; store at the last
     ("dk", False): Branches(prologue=(("first", ()),), per_block=(("work", ()),), epilogue=(("last", ()),)),
+    # dk's regions; dq and dweights are finished at every step, outside any region
+    ("dq_dk", False): Branches(prologue=(("first", ()),), per_block=(("work", ()),), epilogue=(("last", ()),)),
 }  # fmt: skip
 BRANCHES[("forward", True)] = BRANCHES[("forward", False)]
+BRANCHES[("dq_dk", True)] = BRANCHES[("dq_dk", False)]
 BRANCHES[("dq_dweights", True)] = BRANCHES[("dq_dweights", False)]
 BRANCHES[("dk", True)] = BRANCHES[("dk", False)]
 

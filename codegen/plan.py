@@ -108,9 +108,31 @@ class Work:
     finish_mxu_per_key: int = 0
 
 
+# The kernels a call runs, by program: a gradient runs ``dq_dk`` where one w tile covers W (the call's
+# block_w, ``_operands.prepare``), else ``dq_dweights`` and ``dk``. ``grad_kernels`` says which.
+SPLIT_GRAD = ("dq_dweights", "dk")
+FUSED_GRAD = ("dq_dk",)
+
+
+# Kernels a variant may go without: the budget drops one that does not fit every target chip's VMEM
+# (``dq_dk`` holds dq's accumulator and dk's at once), and its calls run the split ones.
+OPTIONAL = frozenset(FUSED_GRAD)
+
+
+def grad_kernels(plan: VariantPlan, num_w_blocks: int) -> tuple[str, ...]:
+    """The backward kernels of a call of ``plan`` whose W takes ``num_w_blocks`` w tiles."""
+    fused = num_w_blocks == 1 and any(k.name == FUSED_GRAD[0] for k in plan.kernels)
+    return FUSED_GRAD if fused else SPLIT_GRAD
+
+
+def without(plan: VariantPlan, name: str) -> VariantPlan:
+    """``plan`` without its kernel ``name`` (one of OPTIONAL)."""
+    return dataclasses.replace(plan, kernels=tuple(k for k in plan.kernels if k.name != name))
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelPlan:
-    name: str  # "forward" | "dq_dweights" | "dk"
+    name: str  # "forward" | "dq_dweights" | "dk" | "dq_dk"
     grid: tuple[GridAxis, ...]
     scalar_prefetch: tuple[str, ...]
     inputs: tuple[Block, ...]
@@ -379,6 +401,32 @@ def build(variant: Variant) -> VariantPlan:
                 # along D and the row sums of k * dk (dk_scale), each an exact MXU dot with ones
                 work=Work(
                     mxu_passes=1 + grad_passes, vpu_ops=2, useful_passes=2, finish_mxu_per_key=4 * scaled
+                ),
+            )
+        )
+        # Where one w tile covers W, one kernel does both (``FUSED_GRAD``): each compute block's logits
+        # are computed once for dq and dk, where the two above compute them once each. dk is reduced over
+        # q blocks and chunks (the dk kernel's grid); dq and dweights are finished at each step, whose
+        # q block (and chunk) has seen its only w tile.
+        dq_dk_grid = _grid(chunked, ("b", PARALLEL), ("j", PARALLEL), ("i", ARBITRARY), ("c", ARBITRARY))
+        kernels.append(
+            KernelPlan(
+                name="dq_dk",
+                grid=dq_dk_grid,
+                scalar_prefetch=q_block_ranges,
+                inputs=inputs + (blocks["g"],),
+                outputs=(blocks["dq"], blocks["dweights"], blocks["dk"])
+                + ((blocks["dk_scale"],) if scaled else ()),
+                scratch=(Buffer("dq_acc", q_block, F32),) + dk_scratch,
+                temporaries=dk_temporaries,
+                skip=_skip(dq_dk_grid, "j", "i", "w_lo", "w_hi"),
+                work=Work(
+                    mxu_passes=1 + cotangent_parts + grad_passes,
+                    vpu_ops=cotangent_parts + 2,
+                    useful_passes=3,
+                    finish_vpu_ops=4,
+                    finish_mxu_per_head=2,
+                    finish_mxu_per_key=4 * scaled,
                 ),
             )
         )

@@ -33,7 +33,8 @@ SHIPPED = (
     "_select", "_topk",
 )  # fmt: skip
 _BACKWARD = {
-    "fused": "two fused Pallas kernels (``_dense.backward``: dq with dweights, and dk), logits recomputed in VMEM",
+    "fused": "fused Pallas kernels (``_dense.backward``: dq with dweights and dk in one where one w tile covers W, "
+    "else two), logits recomputed in VMEM",
     "reference": "the float32 reference VJP, scanned over head chunks (``_autodiff.reference_backward``)",
 }
 

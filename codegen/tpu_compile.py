@@ -32,7 +32,7 @@ TOPOLOGIES = {"v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2", "7x": "tpu
 # sparse_score. Each compiles the kernels listed.
 PROGRAMS = {
     "fwd": ("forward",),
-    "grad": ("forward", "dq_dweights", "dk"),
+    "grad": ("forward", "dq_dweights", "dk", "dq_dk"),  # dq_dk, or the other two: ``cost.call_kernels``
     "sparse_fwd": ("sparse_forward",),
     "sparse_grad": ("sparse_forward", "sparse_backward"),
     # score_topk: the forward kernel on query chunks, each cut by the selection kernel (rows too wide for

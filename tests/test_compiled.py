@@ -91,7 +91,7 @@ def test_compiled_schedule_of_the_production_kernels(tmp_path):
     n_blocks = t.block_w // t.compute_w
     causal = cost.kind_matrix(t, *cost.causal_bounds(t.shape, family.spec.computation.compress_rate))
     unmasked = cost.kind_matrix(t)
-    for kp in plan.kernels:
+    for kp in cost.call_kernels(plan, SHAPE):  # the forward and, one w tile covering W, dq_dk
         sched = schedule.parse(*kernels[f"{PRODUCTION}_{kp.name}"])
         # raises if the branches are not the template's
         one_step = grid_steps.one_step_reduction(kp, t)  # dq/dweights: one w tile at W = 2048
@@ -126,18 +126,19 @@ def test_compiled_schedule_of_the_production_kernels(tmp_path):
         assert rep["u"].occupancy["MXU"] > 0.2
 
     # A template whose branches changed without BRANCHES is refused, naming the kernel.
-    sched = schedule.parse(*kernels[f"{PRODUCTION}_dk"])
-    wrong = dataclasses.replace(grid_steps.BRANCHES[("dk", True)], per_block=(("work", (("partial", ()),)),))
+    sched = schedule.parse(*kernels[f"{PRODUCTION}_dq_dk"])
+    wrong = dataclasses.replace(grid_steps.BRANCHES[("dq_dk", True)], per_block=(("work", (("partial", ()),)),))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(grid_steps.BRANCHES, ("dk", True), wrong)
-        with pytest.raises(grid_steps.StructureError, match=r"dk: the step's \d+ branch regions hold no run"):
-            grid_steps.steps("dk", True, sched, n_blocks)
+        mp.setitem(grid_steps.BRANCHES, ("dq_dk", True), wrong)
+        with pytest.raises(grid_steps.StructureError, match=r"dq_dk: the step's \d+ branch regions hold no run"):
+            grid_steps.steps("dq_dk", True, sched, n_blocks)
 
 
 def test_a_reduction_of_one_step_folds_its_first_and_last_regions(tmp_path):
     """With one w tile, every dq/dweights step is its q block's first and last: the compiler folds both
-    conditions, so the reader finds no epilogue and counts the finish as code every step issues."""
-    name, shape = "tpu_sm_bf16_q16_w128_hcall", (1, 8, 256, 128, 128)  # W = block_w: one w tile
+    conditions, so the reader finds no epilogue and counts the finish as code every step issues. (A
+    variant with dq_dk runs that at one w tile instead; this one goes without it, over VMEM.)"""
+    name, shape = "tpu_sm_bf16_q512_w2048c512_hc16", (1, 16, 1024, 128, 128)  # W = block_w: one w tile
     plan = pipeline.load_family(SPEC_PATH).plan(name)
     t = cost.tiling(plan, shape)
     (result,) = tpu_compile.compile_many([tpu_compile.Request("generated.csa_v4", name, "7x", "grad", shape)],
@@ -148,8 +149,8 @@ def test_a_reduction_of_one_step_folds_its_first_and_last_regions(tmp_path):
     sched = schedule.parse(*result.kernels()[f"{name}_dq_dweights"])
     n_blocks = t.block_w // t.compute_w
     with pytest.raises(grid_steps.StructureError, match="dq_dweights: the step's"):
-        grid_steps.steps(kp.name, False, sched, n_blocks)
-    st = grid_steps.steps(kp.name, False, sched, n_blocks, one_step_reduction=True)
+        grid_steps.steps(kp.name, True, sched, n_blocks)
+    st = grid_steps.steps(kp.name, True, sched, n_blocks, one_step_reduction=True)
     assert not st.prologue and not st.epilogue
     assert st.bundles(["full"] * n_blocks, False, False) == sched.body  # the finish included
 

@@ -100,15 +100,21 @@ def test_explain_the_production_variant(capsys):
     assert cli.main(["explain", str(SPEC_PATH), PRODUCTION, "--shape", SHAPE, "--chip", "v6e"]) == 0
     out = capsys.readouterr().out
     lines = {line.split()[1]: line for line in out.splitlines() if line.startswith(PRODUCTION)}
-    assert set(lines) == {"forward", "dq_dweights", "dk"}
+    # one w tile covers W = 2048: the gradient is one kernel, dq_dk
+    assert set(lines) == {"forward", "dq_dk"}
     # forward: grid (B, q blocks, w blocks) = 1 x 32 x 1, every head in a step (a chunk per matmul);
     # 2 * 64 * 8192 * 2048 * 128 = 2**38 MXU FLOPs (274.9 GFLOP), 3 elementwise operations per entry
-    # (3 * 2**30) and the mask's 6 per (query, block) (6 * 2**24): 3.3 Gop. The gradient's grids have
-    # the chunk axis: 1 x 32 x 4 x 1 (dq_dweights), 1 x 1 x 32 x 4 (dk).
+    # (3 * 2**30) and the mask's 6 per (query, block) (6 * 2**24): 3.3 Gop. The gradient's grid has
+    # the chunk axis: 1 x 1 x 32 x 4 (dq_dk).
     grids = {kernel: line.split()[2] for kernel, line in lines.items()}
-    assert grids == {"forward": "1x32x1", "dq_dweights": "1x32x4x1", "dk": "1x1x32x4"}
+    assert grids == {"forward": "1x32x1", "dq_dk": "1x1x32x4"}
     assert "  274.9  " in lines["forward"] and "  3.3  " in lines["forward"]
     assert "k [2048, 128]" in out and "q [16, 256, 128]" in out and "q_all_heads [64, 256, 128]" in out
+    # W = 4096 takes two w tiles: dq_dweights (1 x 32 x 4 x 2) and dk (1 x 2 x 32 x 4)
+    assert cli.main(["explain", str(SPEC_PATH), PRODUCTION, "--shape", "1,64,8192,128,4096"]) == 0
+    wide = {line.split()[1]: line.split()[2] for line in capsys.readouterr().out.splitlines()
+            if line.startswith(PRODUCTION)}  # fmt: skip
+    assert wide == {"forward": "1x32x2", "dq_dweights": "1x32x4x2", "dk": "1x2x32x4"}
 
 
 def test_explain_json_and_causal(capsys):
@@ -124,11 +130,12 @@ def test_explain_json_and_causal(capsys):
     # block has work (block 0): 32 of 32; so has every q block, and the one w tile.
     blocks = {"empty": 48, "full": 48, "partial": 32, "tiles_with_work": 32, "tiles": 32, "q_blocks": 32,
               "q_blocks_with_work": 32, "w_tiles": 1, "w_tiles_with_work": 1}  # fmt: skip
-    # dq/dweights finishes once per q block and head chunk, mask or not: on B*S*H*D entries, the one-hot
-    # broadcast of a chunk's 16 heads' weights (2 * 16 MXU FLOPs each) and 4 elementwise operations.
+    # dq_dk finishes dq/dweights once per q block and head chunk, mask or not: on B*S*H*D entries, the
+    # one-hot broadcast of a chunk's 16 heads' weights (2 * 16 MXU FLOPs each) and 4 elementwise operations.
     entries = 8192 * 64 * 128
-    finish = {"forward": (0, 0), "dq_dweights": (32 * entries, 4 * entries), "dk": (0, 0)}
-    for kernel in ("forward", "dq_dweights", "dk"):
+    finish = {"forward": (0, 0), "dq_dk": (32 * entries, 4 * entries)}
+    assert set(full) == set(causal) == set(finish)
+    for kernel in finish:
         mxu, vpu = finish[kernel]
         assert causal[kernel]["compute_blocks"] == blocks
         assert causal[kernel]["mxu_flops"] - mxu == (full[kernel]["mxu_flops"] - mxu) * 80 // 128
@@ -137,7 +144,7 @@ def test_explain_json_and_causal(capsys):
         # The elementwise work, the mask's included (every block with work is masked), goes with the
         # MXU work.
         assert causal[kernel]["vpu_ops"] - vpu == (full[kernel]["vpu_ops"] - vpu) * 80 // 128
-    assert causal["dk"]["hbm_bytes"] == full["dk"]["hbm_bytes"]  # every tile has work: no DMA skipped
+    assert causal["dq_dk"]["hbm_bytes"] == full["dq_dk"]["hbm_bytes"]  # every tile has work: no DMA skipped
     # At W = 4096 no query sees the second 2048-wide tile: causal skipping issues none of its DMAs.
     wide = ["explain", str(SPEC_PATH), PRODUCTION, "--shape", "1,64,8192,128,4096", "--json"]
     assert cli.main(wide) == 0

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from codegen import hlo_audit
+from codegen import cost, hlo_audit
 from generated.csa_v4 import VARIANTS
 from tests import support
 from tests.spec_cases import family
@@ -98,12 +98,37 @@ def test_lowers_for_tpu(module):
     # keeps it): it may be there once, never anything but the variant's own kernels.
     assert kernels["forward"] <= 1, kernels
     if module.VARIANT["backward"] == "fused":
-        assert set(kernels) <= {"forward", "dq_dweights", "dk"}, kernels
-        assert kernels["dq_dweights"] == kernels["dk"] == 1, kernels
+        # the backward this shape takes: dq_dk where one w tile covers W (and the variant has it), else two
+        backward = [k.name for k in cost.call_kernels(family().plan(name), shape) if k.name != "forward"]
+        assert set(kernels) <= {"forward", *backward}, kernels
+        assert all(kernels[k] == 1 for k in backward), kernels
         assert audit.loops == [] and big_in_score == 0, audit
     else:
         assert set(kernels) <= {"forward"}, kernels
         assert audit.loops and big_in_score > 0  # the reference VJP scans and materialises logits
+
+
+@pytest.mark.parametrize(
+    "name", sorted(n for n, m in VARIANTS.items() if "dq_dk" in m.CONFIG.work and "q16" not in n)
+)
+def test_fused_backward_is_the_split_one_bit_for_bit(name):
+    """Where one w tile covers W, dq_dk computes each logit once for dq and dk; the two split kernels,
+    which compute it once each, return the same bits (same operations, same order of sums)."""
+    module = VARIANTS[name]
+    shape = (1, 32, 40, 128, 300)  # two head chunks of 16, ragged S and W
+    q, k, weights = support.make_inputs(module.VARIANT, shape, seed=1)
+    k_scale = support.key_scale(module.VARIANT, k).get("k_scale")
+    end = jnp.broadcast_to((jnp.arange(shape[2]) + 1) // 4, shape[:1] + shape[2:3]).astype(jnp.int32)
+    x = module.prepare(q, k, weights, jnp.zeros_like(end), end, k_scale)
+    assert x.num_w_blocks == 1
+    g = jax.random.normal(jax.random.PRNGKey(2), (1, x.seq_pad, x.blocks_pad)).astype(
+        module.VARIANT["out_dtype"]
+    )
+    run = lambda backward: backward(module.CONFIG, 0.5, True, x, q, k, weights, g)
+    fused, split = run(module._dense._fused_backward), run(module._dense._split_backward)
+    assert len(fused) == len(split) == 3 + bool(k_scale is not None)
+    for got, want in zip(fused, split):
+        assert got.dtype == want.dtype and bool(jnp.array_equal(got, want)), name
 
 
 REFERENCE_TWINS = sorted(

@@ -10,7 +10,7 @@ Gradients: dq and dk bfloat16, dweights bfloat16.
 Tiling: BLOCK_Q queries x BLOCK_W compressed blocks per tile (one DMA each), computed COMPUTE_W
 blocks at a time, HEAD_CHUNK heads contracted per grid step.
 Forward: the Pallas kernel of ``_dense_hm_hc``.
-Backward: two fused Pallas kernels (``_dense.backward``: dq with dweights, and dk), logits recomputed in VMEM.
+Backward: fused Pallas kernels (``_dense.backward``: dq with dweights and dk in one where one w tile covers W, else two), logits recomputed in VMEM.
 ``score_topk`` selects each query's top_k blocks without the [B, S, W] scores (``_topk``),
 ``sparse_score`` scores each query's top_k selected blocks (``_sparse_bf16``) and ``indexer_loss``
 is the KL indexer loss, dense or sparse. What every variant shares is in the shipped modules.
@@ -66,9 +66,10 @@ CONFIG = _operands.Config(  # the kernel plan's facts the shared kernels take fr
         "forward": (1, 3, 6, False, 0, 0, 0),
         "dq_dweights": (2, 1, 6, True, 4, 2, 0),
         "dk": (3, 2, 6, True, 0, 0, 0),
+        "dq_dk": (4, 3, 6, True, 4, 2, 0),
     },
     # Scoped VMEM to compile each kernel with (None: the chip's default); codegen sized it for v5e, v5p, v6e, 7x.
-    vmem_limit_bytes={"forward": 29360128, "dq_dweights": 30408704, "dk": 33554432},
+    vmem_limit_bytes={"forward": 29360128, "dq_dweights": 30408704, "dk": 33554432, "dq_dk": 38797312},
 )
 
 

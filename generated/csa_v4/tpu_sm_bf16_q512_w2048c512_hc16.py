@@ -10,7 +10,7 @@ Gradients: dq and dk bfloat16, dweights bfloat16.
 Tiling: BLOCK_Q queries x BLOCK_W compressed blocks per tile (one DMA each), computed COMPUTE_W
 blocks at a time, HEAD_CHUNK heads contracted per grid step.
 Forward: the Pallas kernel of ``_dense_sm_hc``.
-Backward: two fused Pallas kernels (``_dense.backward``: dq with dweights, and dk), logits recomputed in VMEM.
+Backward: fused Pallas kernels (``_dense.backward``: dq with dweights and dk in one where one w tile covers W, else two), logits recomputed in VMEM.
 ``score_topk`` selects each query's top_k blocks without the [B, S, W] scores (``_topk``),
 ``sparse_score`` scores each query's top_k selected blocks (``_sparse_bf16``) and ``indexer_loss``
 is the KL indexer loss, dense or sparse. What every variant shares is in the shipped modules.
