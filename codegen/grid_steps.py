@@ -59,9 +59,9 @@ BRANCHES = {
     ("dq_dweights", False): Branches(per_block=(("work", ()),), epilogue=(("last", ()),)),
     # zero at the reduction's first step; a block with work; store at the last
     ("dk", False): Branches(prologue=(("first", ()),), per_block=(("work", ()),), epilogue=(("last", ()),)),
-    # dk's regions; dq and dweights are finished at every step, outside any region
-    ("dq_dk", False): Branches(prologue=(("first", ()),), per_block=(("work", ()),), epilogue=(("last", ()),)),
 }  # fmt: skip
+# dq_dk has dk's regions; dq and dweights are finished at every step, outside any region
+BRANCHES[("dq_dk", False)] = BRANCHES[("dk", False)]
 BRANCHES[("forward", True)] = BRANCHES[("forward", False)]
 BRANCHES[("dq_dk", True)] = BRANCHES[("dq_dk", False)]
 BRANCHES[("dq_dweights", True)] = BRANCHES[("dq_dweights", False)]
