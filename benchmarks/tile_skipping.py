@@ -3,8 +3,9 @@
 Counted by the cost model ``codegen explain --causal`` uses (``codegen.cost.causal_kinds``), which
 classifies every (q block, compute block) pair with the kernels' own rule (``codegen/shipped/_geometry.py``, the
 source of ``_geometry.py`` in every family package) on the causal ranges: empty (no matmul, no elementwise op), full
-(work, every query sees it all) or partial (work, some entries masked; both apply the mask); a DMA tile with no work is never fetched. MXU work is
-proportional to the pairs with work, in every kernel alike.
+(work, every query sees it all) or partial (work, some entries masked; both apply the mask); a DMA tile with no work is never fetched. The
+backward kernels' MXU work is proportional to the pairs with work; the forward's to the columns its pieces
+cover (``_geometry.visible_pieces``: each q block's visible blocks, to whole lane groups).
 
     python benchmarks/tile_skipping.py [--variant NAME] [--seq-len S] [--blocks W]
 """
@@ -37,7 +38,7 @@ def main(argv=None) -> None:
     width = max(len(name) for name in names)
     print(
         f"{'variant':{width}s} {'q x w / compute':>16s} {'DMA tiles':>9s} {'skipped':>8s} {'pairs':>6s}"
-        f" {'empty':>6s} {'full':>6s} {'partial':>7s} {'work skipped':>12s}"
+        f" {'empty':>6s} {'full':>6s} {'partial':>7s} {'work skipped':>12s} {'forward skipped':>15s}"
     )
     for name in names:
         plan = family.plan(name)
@@ -47,10 +48,16 @@ def main(argv=None) -> None:
         print(
             f"{name:{width}s} {tiling:>16s} {n.tiles:9d} {1 - n.tiles_with_work / n.tiles:8.1%} {n.total:6d}"
             f" {n.empty:6d} {n.full:6d} {n.partial:7d} {n.empty / n.total:12.1%}"
+            f" {1 - n.visible_columns / (n.tiles * plan.block_w):15.1%}"
         )
-    print("Every kernel (forward, dq/dweights, dk) skips the same tiles and compute blocks; MXU and")
     print(
-        "per-head elementwise work is skipped in proportion to the empty pairs; every pair with work is masked."
+        "Every kernel skips the same DMA tiles. The backward kernels (dq/dweights, dk, dq_dk) skip the empty"
+    )
+    print(
+        "compute blocks: their MXU and per-head elementwise work is skipped in proportion to the empty pairs."
+    )
+    print(
+        "The forward computes only pieces covering each q block's visible blocks. Every entry computed is masked."
     )
 
 

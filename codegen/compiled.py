@@ -42,7 +42,8 @@ from codegen.grid_steps import (
     call_cycles,
     steps,
 )
-from codegen.plan import KernelPlan, VariantPlan
+from codegen.plan import COMPUTE_BLOCKS, VISIBLE_PIECES, KernelPlan, VariantPlan
+from codegen.shipped import _geometry as geometry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,8 +119,9 @@ def kernel_report(
             **timing,
         )  # fmt: skip
     n_blocks = t.block_w // t.compute_w
+    tails = len(geometry.tail_widths(t.compute_w)) if kp.walk == VISIBLE_PIECES else 0
     # raises on a loop other than the compute blocks'
-    st = steps(kp.name, plan.head_chunk > 0, sched, n_blocks, one_step_reduction(kp, t))
+    st = steps(kp.name, plan.head_chunk > 0, sched, n_blocks, one_step_reduction(kp, t), tails)
     steady = not kp.reduced  # a step inside its reduction (neither first nor last), or its only step
     full = sched.skipped(st.skipped(["full"] * n_blocks, steady, steady))
     dmas, dma_bytes = sched.step_dmas(full)
@@ -252,7 +254,7 @@ def explain(
                     kernel,
                     _step_schedule(sched, kernel, family, path, shape),
                     t,
-                    cost.kind_matrix(t, *bounds),
+                    cost.kind_matrix(t, *bounds, walk=kp.walk if kp is not None else COMPUTE_BLOCKS),
                     cal,
                     CALIBRATION_BLOCK[0] * CALIBRATION_BLOCK[1],
                     chip=request.chip,

@@ -110,6 +110,9 @@ class BlockKinds:
     q_blocks: int = 0
     w_tiles_with_work: int = 0
     w_tiles: int = 0
+    # (q block, compressed block) pairs the forward's pieces cover (``_geometry.visible_pieces``); every
+    # tile whole in ``unmasked_kinds``
+    visible_columns: int = 0
 
     def by_ratio(self, axis: str) -> float:
         """The share of q blocks (``axis`` i) or w tiles (j) with work: their blocks alone are fetched
@@ -134,29 +137,64 @@ def unmasked_kinds(t: Tiling) -> BlockKinds:
     """Every compute block doing unmasked work, every tile fetched: what a ``pl.CostEstimate`` assumes."""
     tiles_ = t.shape.batch * (t.seq_pad // t.block_q) * (t.blocks_pad // t.block_w)
     return BlockKinds(
-        empty=0, full=tiles_ * (t.block_w // t.compute_w), partial=0, tiles_with_work=tiles_, tiles=tiles_
+        empty=0,
+        full=tiles_ * (t.block_w // t.compute_w),
+        partial=0,
+        tiles_with_work=tiles_,
+        tiles=tiles_,
+        visible_columns=tiles_ * t.block_w,
     )
 
 
-def kind_matrix(t: Tiling, kv_start=None, kv_end=None) -> np.ndarray:
-    """Every (q block, compute block) of a call as its kernels classify it: int8 [B * q blocks, compute
-    blocks of the padded W], 0 empty, 1 full, 2 partial; without bounds, every one full."""
+def _q_block_bounds(t: Tiling, kv_start, kv_end) -> list[np.ndarray]:
+    """(any_lo, any_hi, all_lo, all_hi) of every q block, ``[B * q blocks, 1]``, as the kernels get them."""
     p = t.shape
-    rows, cols = p.batch * (t.seq_pad // t.block_q), t.blocks_pad // t.compute_w
-    if kv_start is None:
-        return np.ones((rows, cols), np.int8)
 
     def padded(bound):  # clipped to the blocks that exist; padding queries see nothing
         bound = np.clip(np.asarray(bound, np.int64), 0, p.num_blocks).astype(np.int32)
         return np.pad(bound, ((0, 0), (0, t.seq_pad - p.seq_len)))
 
-    bounds = [
+    return [
         np.asarray(b)[:, None]
         for b in geometry.query_block_bounds(padded(kv_start), padded(kv_end), t.block_q)
     ]
+
+
+def kind_matrix(t: Tiling, kv_start=None, kv_end=None, walk: str = plan_module.COMPUTE_BLOCKS) -> np.ndarray:
+    """Every (q block, compute block) of a call as a kernel walking its tiles by ``walk`` classifies it:
+    int8 [B * q blocks, pieces of the padded W], 0 empty, 1 full, 2 partial; without bounds, every
+    compute block full. A walk of visible pieces has, per w tile, its loop's trips (partial up to
+    ``big``, then empty) and then its tails (partial where taken), as ``_kernel_ops.each_visible_piece``
+    runs them; unbounded, every trip full and no tail."""
+    p = t.shape
+    rows, n_blocks = p.batch * (t.seq_pad // t.block_q), t.block_w // t.compute_w
+    tiles_ = t.blocks_pad // t.block_w
+    tails = geometry.tail_widths(t.compute_w) if walk == plan_module.VISIBLE_PIECES else []
+    if kv_start is None:
+        per_tile = np.array([1] * n_blocks + [0] * len(tails), np.int8)
+        return np.tile(per_tile, (rows, tiles_))
+    bounds = _q_block_bounds(t, kv_start, kv_end)
+    if walk == plan_module.VISIBLE_PIECES:
+        tile_lo = np.arange(0, t.blocks_pad, t.block_w, dtype=np.int32)[None]
+        _, big, rest = (
+            np.asarray(x) for x in geometry.visible_pieces(*bounds[:2], tile_lo, t.block_w, t.compute_w)
+        )
+        trips = np.arange(n_blocks)[None, None] < big[:, :, None]
+        taken = [(rest & w != 0)[:, :, None] for w in tails]
+        return (2 * np.concatenate([trips, *taken], axis=2)).astype(np.int8).reshape(rows, -1)
     lo = np.arange(0, t.blocks_pad, t.compute_w, dtype=np.int32)[None]
     empty, full = (np.asarray(x) for x in geometry.block_kind(*bounds, lo, lo + t.compute_w))
     return np.where(empty, 0, np.where(full, 1, 2)).astype(np.int8)
+
+
+def visible_columns(t: Tiling, kv_start, kv_end) -> int:
+    """(q block, compressed block) pairs the forward's pieces cover over a call."""
+    any_lo, any_hi = _q_block_bounds(t, kv_start, kv_end)[:2]
+    tile_lo = np.arange(0, t.blocks_pad, t.block_w, dtype=np.int32)[None]
+    _, big, rest = (
+        np.asarray(x) for x in geometry.visible_pieces(any_lo, any_hi, tile_lo, t.block_w, t.compute_w)
+    )
+    return int((big * t.compute_w + rest).sum())
 
 
 def block_kinds(t: Tiling, kv_start, kv_end) -> BlockKinds:
@@ -176,6 +214,7 @@ def block_kinds(t: Tiling, kv_start, kv_end) -> BlockKinds:
         q_blocks=per_batch.shape[0] * per_batch.shape[1],
         w_tiles_with_work=int(per_batch.any(axis=1).sum()),
         w_tiles=per_batch.shape[0] * per_batch.shape[2],
+        visible_columns=visible_columns(t, kv_start, kv_end),
     )
 
 
@@ -283,11 +322,13 @@ def kernel_cost(
         (t.dims(s.shape), geometry.itemsize(s.dtype)) for s in kernel.scratch + kernel.temporaries
     ]
     kinds = kinds or unmasked_kinds(t)
-    pair_entries = t.block_q * t.compute_w  # (query, compressed block) entries of one pair
-    entries = kinds.work * pair_entries * p.num_heads  # per head, in the compute blocks with work
+    # (query, compressed block) entries computed: of every compute block with work, or of every piece
+    columns = kinds.work * t.compute_w if kernel.walk == plan_module.COMPUTE_BLOCKS else kinds.visible_columns
+    pair_entries = t.block_q * columns
+    entries = pair_entries * p.num_heads  # per head
     useful_entries = p.batch * p.num_heads * p.seq_len * p.num_blocks
     work = kernel.work
-    masks_built = kinds.work * (t.extents["c"] if work.mask_per_chunk else 1)
+    masks_built = t.extents["c"] if work.mask_per_chunk else 1  # the mask over those entries, this often
     moved = {name: fetches[name] * math.prod(s) * n for name, (s, n) in blocks.items()}
     # A skipped tile's DMAs are those of the operands whose blocks hold still on it.
     skipped = kernel.skipped_operands()

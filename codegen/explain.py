@@ -30,7 +30,8 @@ class Row:
     mxu_flops: int
     vpu_ops: int
     mxu_vs_unmasked: float  # executed MXU FLOPs over those of the same call unmasked
-    compute_blocks: dict[str, int]  # (q block, compute block) pairs: empty, full, partial; and DMA tiles
+    compute_blocks: dict[str, int]  # (q block, compute block) pairs: empty, full, partial; DMA tiles; the
+    # forward's covered (q block, compressed block) pairs (visible_columns) of all (columns)
     intensity: float
     roofline_us: float
     bound: str
@@ -59,7 +60,7 @@ def explain(
                 mxu_flops=k.mxu_flops,
                 vpu_ops=k.vpu_ops,
                 mxu_vs_unmasked=k.mxu_flops / unmasked.mxu_flops,
-                compute_blocks=dataclasses.asdict(shown),
+                compute_blocks=dict(dataclasses.asdict(shown), columns=shown.tiles * t.block_w),
                 intensity=k.intensity(),
                 roofline_us=k.roofline_seconds(chip) * 1e6,
                 bound=k.bound(chip),
@@ -96,7 +97,9 @@ def table(rows: list[Row], chip: chips.Chip, shape, causal: bool, blocks: bool =
     out = [head, "  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip()]
     out += ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]
     if causal:
-        out.append("(q block, compute block) pairs, every kernel alike:")
+        out.append(
+            "(q block, compute block) pairs of the backward kernels; (q block, compressed block) pairs the forward's pieces cover:"
+        )
         seen = set()
         for r in rows:
             if r.variant not in seen:
@@ -104,7 +107,8 @@ def table(rows: list[Row], chip: chips.Chip, shape, causal: bool, blocks: bool =
                 n = r.compute_blocks
                 out.append(
                     f"  {r.variant}: {n['empty']} empty (no work), {n['full']} full, "
-                    f"{n['partial']} partial (all with work masked); DMA tiles with work {n['tiles_with_work']} of {n['tiles']}"
+                    f"{n['partial']} partial (all with work masked); the forward {n['visible_columns']:,} of "
+                    f"{n['columns']:,}; DMA tiles with work {n['tiles_with_work']} of {n['tiles']}"
                 )
     if blocks:
         out.append("blocks:")

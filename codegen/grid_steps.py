@@ -51,9 +51,9 @@ class Branches:
 # the compiler lays the regions out (an if/else may come else-first). A compute block with work is
 # masked unconditionally: no region of its own.
 BRANCHES = {
-    # all heads in a step (a head chunk per matmul, if chunked): the empty block's masked store, else the
-    # masked scores
-    ("forward", False): Branches(per_block=(("empty", ()), ("work", ()))),
+    # all heads in a step (a head chunk per matmul, if chunked): a piece with work, its masked scores (the
+    # tile's masked store comes first, in no region); its tails after the loop, each a piece alike
+    ("forward", False): Branches(per_block=(("work", ()),)),
     # a block with work (the q block's first one starts the sum of u: no region zeroes it); the finish
     # at the last step
     ("dq_dweights", False): Branches(per_block=(("work", ()),), epilogue=(("last", ()),)),
@@ -89,12 +89,13 @@ class Steps:
     blocks: tuple[tuple[schedule.Span, ...], ...]
     epilogue: tuple[schedule.Span, ...]
     loop: schedule.Loop | None = None
+    tails: tuple[tuple[schedule.Span, ...], ...] = ()  # a visible-piece walk's tail pieces, after the loop
 
     @property
     def shared(self) -> int:
         """Bundles a step issues once whatever its blocks and place: the body less every mapped region
         (and less the compute-block loop, whose trips are the blocks')."""
-        ends = self.prologue + self.epilogue
+        ends = self.prologue + self.epilogue + tuple(s for b in self.tails for s in b)
         if self.loop is not None:
             return self.sched.body - sum(s.size for s in ends) - self.loop.size
         return self.sched.body - sum(s.size for s in ends + tuple(s for b in self.blocks for s in b))
@@ -109,17 +110,22 @@ class Steps:
                 out.append(span)
         return out
 
-    def skipped(self, kinds, first: bool, last: bool) -> list[schedule.Span]:
-        """Regions a step skips whose compute blocks are of ``kinds`` (one per block)."""
+    def skipped(self, kinds, first: bool, last: bool, tail_kinds=None) -> list[schedule.Span]:
+        """Regions a step skips whose compute blocks are of ``kinds`` (one per block) and tail pieces of
+        ``tail_kinds`` (default: none taken)."""
         out = self._skipped(self.prologue, self.branches.prologue, None, first, last)
         out += self._skipped(self.epilogue, self.branches.epilogue, None, first, last)
         for spans, kind in zip(self.blocks, kinds):
             out += self._skipped(spans, self.branches.per_block, kind, first, last)
+        for spans, kind in zip(self.tails, tail_kinds or ["empty"] * len(self.tails)):
+            out += self._skipped(spans, self.branches.per_block, kind, first, last)
         return out
 
-    def bundles(self, kinds, first: bool, last: bool) -> int:
-        """Bundles a step issues."""
+    def bundles(self, kinds, first: bool, last: bool, tail_kinds=None) -> int:
+        """Bundles a step issues (its tail pieces of ``tail_kinds``, default none taken)."""
         blocks = sum(self.block_bundles(n, kind, first, last) for n, kind in enumerate(kinds))
+        tail_kinds = tail_kinds or ["empty"] * len(self.tails)
+        blocks += sum(self.tail_bundles(m, kind, first, last) for m, kind in enumerate(tail_kinds))
         return self.shared + self.prologue_bundles(first, last) + blocks
 
     def _issued(self, spans, conds, kind, first, last) -> int:
@@ -134,6 +140,10 @@ class Steps:
             skipped = self._skipped(self.blocks[n], self.branches.per_block, kind, first, last)
             return self.loop.size - sum(s.size for s in skipped)
         return self._issued(self.blocks[n], self.branches.per_block, kind, first, last)
+
+    def tail_bundles(self, m: int, kind: str, first: bool, last: bool) -> int:
+        """Bundles tail piece ``m`` issues: its regions, as a compute block's."""
+        return self._issued(self.tails[m], self.branches.per_block, kind, first, last)
 
     def prologue_bundles(self, first: bool, last: bool) -> int:
         """Bundles the prologue's and epilogue's regions issue."""
@@ -180,6 +190,7 @@ def steps(
     sched: schedule.Schedule,
     compute_blocks: int,
     one_step_reduction: bool = False,
+    tails: int = 0,
 ) -> Steps:
     """Maps ``sched``'s branch regions onto the kernel's ``kernel_branches``; StructureError if they differ.
 
@@ -188,7 +199,9 @@ def steps(
     block's regions (``compute_block_loop``). Regions the compiler adds around them (the copy of an
     output window, say) are shared code: issued, as an upper bound, on every step. Where the reduction
     has one step (``one_step_reduction``: one w tile, say) every step is its first and last, so the
-    compiler folds the prologue's and epilogue's conditions: their code is shared code."""
+    compiler folds the prologue's and epilogue's conditions: their code is shared code. A walk of
+    visible pieces has ``tails`` more pieces after its loop (or its one block), each a block's regions
+    outside the loop."""
     branches = kernel_branches(kernel, chunked)
     if one_step_reduction:
         branches = dataclasses.replace(branches, prologue=(), epilogue=())
@@ -201,27 +214,35 @@ def steps(
     groups_written = 1 if loop is not None else compute_blocks  # a loop's body holds one block
     inner = max(sched.spans, key=lambda s: s.size).children
     pre, post, per = len(branches.prologue), len(branches.epilogue), len(branches.per_block)
-    want = pre + post + per * groups_written
+    want = pre + post + per * (groups_written + tails)
     for start in range(len(inner) - want + 1):
         run = inner[start : start + want]
         groups = tuple(tuple(run[pre + n * per : pre + (n + 1) * per]) for n in range(groups_written))
+        tail_groups = tuple(
+            tuple(run[pre + n * per : pre + (n + 1) * per])
+            for n in range(groups_written, groups_written + tails)
+        )
+        outside = run[:pre] + tuple(s for g in tail_groups for s in g) + run[want - post :]
         in_loop = (
             loop is None
             or all(loop.start <= s.start and s.stop <= loop.stop for g in groups for s in g)
-            and not any(loop.start <= s.start < loop.stop for s in run[:pre] + run[want - post :])
+            and not any(loop.start <= s.start < loop.stop for s in outside)
         )
         if (
             in_loop
             and _shape_of(run[:pre]) == _want(branches.prologue)
             and _shape_of(run[want - post :]) == _want(branches.epilogue)
-            and all(_shape_of(g) == _want(branches.per_block) for g in groups)
+            and all(_shape_of(g) == _want(branches.per_block) for g in groups + tail_groups)
             and _alike(groups)
         ):
             blocks = groups * compute_blocks if loop is not None else groups
-            return Steps(sched, branches, tuple(run[:pre]), blocks, tuple(run[want - post :]), loop)
+            return Steps(
+                sched, branches, tuple(run[:pre]), blocks, tuple(run[want - post :]), loop, tail_groups
+            )
     raise StructureError(
         f"{kernel}: the step's {len(inner)} branch regions hold no run of {pre} + {groups_written} compute "
-        f"blocks x {per} + {post} nested as the template's {branches}; found nesting {_shape_of(inner)}"
+        f"blocks x {per} + {tails} tail pieces x {per} + {post} nested as the template's {branches}; found "
+        f"nesting {_shape_of(inner)}"
     )
 
 
@@ -257,14 +278,24 @@ def reduction_flags(kp: KernelPlan, extents: dict[str, int]) -> tuple[np.ndarray
 
 def call_cycles(kp: KernelPlan, st: Steps, t: cost.Tiling, kinds: np.ndarray) -> int:
     """Cycles of a call: per grid step the bundles of the path it takes. ``kinds``: the plan's
-    classification, [B * q blocks, compute blocks of the padded W] in 0 empty, 1 full, 2 partial."""
+    classification (``cost.kind_matrix`` by the kernel's walk), [B * q blocks, pieces of the padded W]
+    in 0 empty, 1 full, 2 partial."""
     ex = t.extents
     n_blocks = t.block_w // t.compute_w
-    # bundles of compute block n of kind k at (first, last)
+    per_tile = n_blocks + len(st.tails)  # kinds' columns per w tile: the blocks (trips), then the tails
+
+    def piece_bundles(n, kind, first, last):
+        return (
+            st.block_bundles(n, kind, first, last)
+            if n < n_blocks
+            else st.tail_bundles(n - n_blocks, kind, first, last)
+        )
+
+    # bundles of compute block (or tail piece) n of kind k at (first, last)
     table = np.array(
         [
-            [[[st.block_bundles(n, KINDS[k], f, l) for l in (0, 1)] for f in (0, 1)] for k in range(3)]
-            for n in range(n_blocks)
+            [[[piece_bundles(n, KINDS[k], f, l) for l in (0, 1)] for f in (0, 1)] for k in range(3)]
+            for n in range(per_tile)
         ]
     )
     grid, first, last = reduction_flags(kp, ex)
@@ -274,8 +305,8 @@ def call_cycles(kp: KernelPlan, st: Steps, t: cost.Tiling, kinds: np.ndarray) ->
     flags = first.astype(int), last.astype(int)
     for f, l in itertools.product((0, 1), (0, 1)):
         total += st.prologue_bundles(f, l) * int(np.sum((flags[0] == f) & (flags[1] == l)))
-    for n in range(n_blocks):
-        k = kinds[rows, j * n_blocks + n]
+    for n in range(per_tile):
+        k = kinds[rows, j * per_tile + n]
         total += int(table[n][k, flags[0], flags[1]].sum())
     return int(total)
 

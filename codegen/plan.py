@@ -130,6 +130,9 @@ def without(plan: VariantPlan, name: str) -> VariantPlan:
     return dataclasses.replace(plan, kernels=tuple(k for k in plan.kernels if k.name != name))
 
 
+COMPUTE_BLOCKS, VISIBLE_PIECES = "compute_blocks", "visible_pieces"  # KernelPlan.walk
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelPlan:
     name: str  # "forward" | "dq_dweights" | "dk" | "dq_dk"
@@ -142,6 +145,10 @@ class KernelPlan:
     skip: Skip
     work: Work
     vmem_limit_bytes: int | None = None  # set by the budget: None where the default scope suffices
+    # How a step walks its w tile: whole compute blocks, each skipped when the q block sees none of it
+    # (COMPUTE_BLOCKS), or pieces covering just the columns it may see (VISIBLE_PIECES: the forward's,
+    # ``_geometry.visible_pieces``)
+    walk: str = COMPUTE_BLOCKS
 
     @property
     def axes(self) -> str:
@@ -355,6 +362,10 @@ def build(variant: Variant) -> VariantPlan:
             skip=_skip(forward_grid, "j", "i", "w_lo", "w_hi"),
             # relu, weight multiply, head sum; the mask once, on the scores
             work=Work(mxu_passes=1, vpu_ops=3, useful_passes=1, mask_per_chunk=False),
+            # the float32 forward at HIGHEST (six bfloat16 passes a matmul) keeps whole compute blocks:
+            # with the walk's tail pieces, libtpu took 468 s to compile it for 7x against 213 without,
+            # for variants that check results rather than race
+            walk=COMPUTE_BLOCKS if highest_f32 else VISIBLE_PIECES,
         )
     ]
     if variant.backward == "fused":

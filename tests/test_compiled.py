@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from codegen import cli, compiled, cost, grid_steps, pipeline, schedule, tpu_compile
+from codegen import plan as plan_module
 from tests.spec_cases import SPEC_PATH
 
 SHAPE = (1, 64, 8192, 128, 2048)
@@ -59,14 +60,14 @@ def test_compile_gate_passes_a_variant(capsys):
 def _steps_by_loop(kp, st, t, kinds) -> int:
     """A call's cycles the slow way: every grid step in turn, the bundles of its own path."""
     ex = {a: n if a in kp.axes else 1 for a, n in t.extents.items()}  # the forward has no chunk axis
-    n_blocks = t.block_w // t.compute_w
+    n_blocks, per_tile = t.block_w // t.compute_w, t.block_w // t.compute_w + len(st.tails)
     total = 0
     for b, i, j, c in np.ndindex(ex["b"], ex["i"], ex["j"], ex["c"]):
         at = {"b": b, "i": i, "j": j, "c": c}
         first = all(at[a] == 0 for a in kp.reduced)
         last = all(at[a] == ex[a] - 1 for a in kp.reduced)
-        row = kinds[b * ex["i"] + i, j * n_blocks : (j + 1) * n_blocks]
-        total += st.bundles([grid_steps.KINDS[k] for k in row], first, last)
+        row = [grid_steps.KINDS[k] for k in kinds[b * ex["i"] + i, j * per_tile : (j + 1) * per_tile]]
+        total += st.bundles(row[:n_blocks], first, last, row[n_blocks:])
     return total
 
 
@@ -89,36 +90,47 @@ def test_compiled_schedule_of_the_production_kernels(tmp_path):
 
     kernels = {**results[0].kernels(), **results[1].kernels()}
     n_blocks = t.block_w // t.compute_w
-    causal = cost.kind_matrix(t, *cost.causal_bounds(t.shape, family.spec.computation.compress_rate))
-    unmasked = cost.kind_matrix(t)
+    bounds = cost.causal_bounds(t.shape, family.spec.computation.compress_rate)
     for kp in cost.call_kernels(plan, SHAPE):  # the forward and, one w tile covering W, dq_dk
         sched = schedule.parse(*kernels[f"{PRODUCTION}_{kp.name}"])
+        causal, unmasked = cost.kind_matrix(t, *bounds, walk=kp.walk), cost.kind_matrix(t, walk=kp.walk)
+        # the forward's walk ends on a piece of 256 and one of 128 after its loop of 512-wide ones
+        tails = 2 if kp.walk == plan_module.VISIBLE_PIECES else 0
+        assert tails == (2 if kp.name == "forward" else 0)
         # raises if the branches are not the template's
         one_step = grid_steps.one_step_reduction(kp, t)  # dq/dweights: one w tile at W = 2048
-        st = grid_steps.steps(kp.name, True, sched, n_blocks, one_step)
+        st = grid_steps.steps(kp.name, True, sched, n_blocks, one_step, tails)
         ex = t.extents
         assert sched.grid_trips == np.prod([ex[a] for a in kp.axes]) + grid_steps.PIPELINE_ITERATIONS
         # the shared code plus every region once is the straight-line body
         # (the compute blocks are a loop of n_blocks trips, its body one block's regions)
         assert st.loop is not None and st.loop.trips == n_blocks and len(set(st.blocks)) == 1
-        ends = sum(s.size for s in st.prologue + st.epilogue)
+        ends = sum(s.size for s in st.prologue + st.epilogue + tuple(s for g in st.tails for s in g))
         assert st.shared + ends + st.loop.size == sched.body
-        assert st.bundles(["partial"] * n_blocks, True, True) <= sched.executed()  # every region taken
+        assert (
+            st.bundles(["partial"] * n_blocks, True, True, ["partial"] * tails) <= sched.executed()
+        )  # all taken
         for first, last in ((True, True), (False, False), (True, False), (False, True)):
             empty, full, partial = (st.bundles([k] * n_blocks, first, last) for k in grid_steps.KINDS)
             assert empty < full <= partial <= sched.executed()
         # the vectorised count equals a walk over every grid step
         for kinds in (unmasked, causal):
             fill_and_drain = grid_steps.fill_and_drain(sched)
-            assert grid_steps.call_cycles(kp, st, t, kinds) == _steps_by_loop(kp, st, t, kinds) + fill_and_drain
+            assert (
+                grid_steps.call_cycles(kp, st, t, kinds) == _steps_by_loop(kp, st, t, kinds) + fill_and_drain
+            )
         cal = (calib, compiled.CALIBRATION_BLOCK[0] * compiled.CALIBRATION_BLOCK[1])
         rep = {
             m: compiled.kernel_report(plan, kp, kp.name, sched, t, k, *cal)
             for m, k in (("u", unmasked), ("c", causal))
         }
         # causal skipping: cycles follow the share of compute blocks with work (0.625 at this tiling),
-        # plus what an empty block and an idle step still issue
-        work = np.mean(causal != 0)
+        # or of the columns the forward's pieces cover (0.531), plus what an empty block and an idle step
+        # still issue
+        if kp.walk == plan_module.VISIBLE_PIECES:
+            work = cost.visible_columns(t, *bounds) / (t.seq_pad // t.block_q * t.blocks_pad)
+        else:
+            work = np.mean(causal != 0)
         assert work < rep["c"].cycles / rep["u"].cycles < work + 0.1, kp.name
         # within reach of the plain matmul over the same logits (which also stores them all), and
         # the MXU does work on the full path
@@ -127,10 +139,14 @@ def test_compiled_schedule_of_the_production_kernels(tmp_path):
 
     # A template whose branches changed without BRANCHES is refused, naming the kernel.
     sched = schedule.parse(*kernels[f"{PRODUCTION}_dq_dk"])
-    wrong = dataclasses.replace(grid_steps.BRANCHES[("dq_dk", True)], per_block=(("work", (("partial", ()),)),))
+    wrong = dataclasses.replace(
+        grid_steps.BRANCHES[("dq_dk", True)], per_block=(("work", (("partial", ()),)),)
+    )
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(grid_steps.BRANCHES, ("dq_dk", True), wrong)
-        with pytest.raises(grid_steps.StructureError, match=r"dq_dk: the step's \d+ branch regions hold no run"):
+        with pytest.raises(
+            grid_steps.StructureError, match=r"dq_dk: the step's \d+ branch regions hold no run"
+        ):
             grid_steps.steps("dq_dk", True, sched, n_blocks)
 
 
@@ -266,7 +282,7 @@ def test_xla_programs_are_costed_by_the_bytes_they_move():
     hlo = (
         "ENTRY %main () -> bf16[1,8192,8192] {\n"
         "  %q = bf16[1,8192,64,128]{3,2,1,0:T(8,128)(2,1)} parameter(0)\n"
-        "  %copy.3 = bf16[1,8192,8192]{2,1,0:T(8,128)(2,1)} copy(%q), metadata={op_name=\"reshape\"}\n"
+        '  %copy.3 = bf16[1,8192,8192]{2,1,0:T(8,128)(2,1)} copy(%q), metadata={op_name="reshape"}\n'
         "  ROOT %fusion = (f32[4]{0}, s32[2]{0}) fusion(%copy.3, %q), kind=kLoop, calls=%f\n"
         "}\n"
     )

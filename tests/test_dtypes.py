@@ -167,7 +167,7 @@ def test_gradient_matmul_modes(dims):
     exact = lhs64 @ rhs64 if dims == "CONTRACT_INNER" else lhs64.T @ rhs64
 
     def run(mode):
-        cfg = _operands.Config({}, 8, None, mode, False, 1, {}, {})
+        cfg = _operands.Config({}, 8, None, mode, False, 1, {}, {}, "visible_pieces")
         return np.asarray(_kernel_ops.grad_matmul(cfg, lhs, rhs, numbers), np.float64)
 
     def error(x):

@@ -92,7 +92,10 @@ def test_kernels_over_the_default_scope_ask_for_more_vmem():
         limits = VARIANTS[name].CONFIG.vmem_limit_bytes
         for kernel in ("forward", "dq_dweights"):
             need = cost.vmem_footprints(family().plan(name), 64, 128)[kernel]
-            assert need > 16 * 2**20 and limits[kernel] >= need and limits[kernel] % 2**20 == 0, (name, kernel)
+            assert need > 16 * 2**20 and limits[kernel] >= need and limits[kernel] % 2**20 == 0, (
+                name,
+                kernel,
+            )
     assert set(VARIANTS["tpu_sm_bf16_q16_w128_hcall"].CONFIG.vmem_limit_bytes.values()) == {None}
 
 
@@ -127,9 +130,13 @@ def test_explain_json_and_causal(capsys):
     # (positions 256i .. 256i + 255) sees blocks [0, 64i + 64) at most and [0, 64i) in every query, so
     # compute block c has work while 512c < 64i + 64 and is full while 512(c + 1) <= 64i: over i < 32,
     # 80 of the 128 blocks have work (0.625), 48 full, 32 partial, 48 empty; the one tile of each q
-    # block has work (block 0): 32 of 32; so has every q block, and the one w tile.
+    # block has work (block 0): 32 of 32; so has every q block, and the one w tile. The forward's pieces
+    # cover q block i's visible blocks to whole lane groups: 128 ceil((i + 1) / 2) of its 2048 columns,
+    # 34,816 of 65,536 (272 of 512 lane groups).
     blocks = {"empty": 48, "full": 48, "partial": 32, "tiles_with_work": 32, "tiles": 32, "q_blocks": 32,
-              "q_blocks_with_work": 32, "w_tiles": 1, "w_tiles_with_work": 1}  # fmt: skip
+              "q_blocks_with_work": 32, "w_tiles": 1, "w_tiles_with_work": 1, "visible_columns": 34816,
+              "columns": 65536}  # fmt: skip
+    share = {"forward": (272, 512), "dq_dk": (80, 128)}  # of the unmasked work
     # dq_dk finishes dq/dweights once per q block and head chunk, mask or not: on B*S*H*D entries, the
     # one-hot broadcast of a chunk's 16 heads' weights (2 * 16 MXU FLOPs each) and 4 elementwise operations.
     entries = 8192 * 64 * 128
@@ -138,12 +145,13 @@ def test_explain_json_and_causal(capsys):
     for kernel in finish:
         mxu, vpu = finish[kernel]
         assert causal[kernel]["compute_blocks"] == blocks
-        assert causal[kernel]["mxu_flops"] - mxu == (full[kernel]["mxu_flops"] - mxu) * 80 // 128
+        done, of = share[kernel]
+        assert causal[kernel]["mxu_flops"] - mxu == (full[kernel]["mxu_flops"] - mxu) * done // of
         if not mxu:
-            assert causal[kernel]["mxu_vs_unmasked"] == 0.625
+            assert causal[kernel]["mxu_vs_unmasked"] == done / of
         # The elementwise work, the mask's included (every block with work is masked), goes with the
         # MXU work.
-        assert causal[kernel]["vpu_ops"] - vpu == (full[kernel]["vpu_ops"] - vpu) * 80 // 128
+        assert causal[kernel]["vpu_ops"] - vpu == (full[kernel]["vpu_ops"] - vpu) * done // of
     assert causal["dq_dk"]["hbm_bytes"] == full["dq_dk"]["hbm_bytes"]  # every tile has work: no DMA skipped
     # At W = 4096 no query sees the second 2048-wide tile: causal skipping issues none of its DMAs.
     wide = ["explain", str(SPEC_PATH), PRODUCTION, "--shape", "1,64,8192,128,4096", "--json"]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from codegen import cost
-from generated.csa_v4 import VARIANTS, block_kind, causal_kv_range, tile_ranges
+from generated.csa_v4 import VARIANTS, _geometry, block_kind, causal_kv_range, tile_ranges
 from tests import support
 from tests.spec_cases import family
 
@@ -183,6 +183,58 @@ def test_compute_block_kinds_match_brute_force(name, causal):
         assert empty.any() == (blocks_pad > compute_w)  # S = 300 sees up to 300 blocks
         # query s sees s + 1 blocks: a whole compute block is visible to a q block only below S
         assert full.any() == (compute_w < seq_len)
+
+
+@pytest.mark.parametrize("name", _one_per_tiling(300, 700))
+@pytest.mark.parametrize("causal", [False, True], ids=["random_ranges", "causal"])
+def test_forward_pieces_cover_exactly_the_visible_lane_groups(name, causal):
+    """The forward's walk (``visible_pieces``: ``big`` compute-wide pieces from ``start``, then the
+    tails ``rest`` names) lays disjoint, lane-aligned pieces inside the tile that cover every column a
+    query of the q block sees there, and no lane group past the first and last it sees; the cost
+    model's count of covered columns is their sum. Against the [S, W] visibility matrix."""
+    module = VARIANTS[name]
+    seq_len, num_blocks = 300, 700
+    if causal:
+        kv_start, kv_end = causal_kv_range(jnp.arange(4 * seq_len, step=4)[None] + 3, 4)
+    else:
+        kv_start, kv_end = support.mask_batch(seq_len, num_blocks, seed=29)
+    block_q, block_w = module.tiles(seq_len, num_blocks)
+    compute_w = min(module.COMPUTE_W, block_w)
+    seq_pad, blocks_pad = -(-seq_len // block_q) * block_q, -(-num_blocks // block_w) * block_w
+    pad = lambda x: jnp.pad(jnp.clip(x, 0, num_blocks), ((0, 0), (0, seq_pad - seq_len)))
+    ranges = tile_ranges(pad(kv_start), pad(kv_end), block_q, block_w, blocks_pad // block_w)
+    columns = np.arange(blocks_pad)
+    seen = (np.asarray(pad(kv_start))[..., None] <= columns) & (columns < np.asarray(pad(kv_end))[..., None])
+    seen = seen.reshape(-1, block_q, blocks_pad).any(axis=1)  # [B * q blocks, W]: some query sees it
+    total = 0
+    for row in range(seen.shape[0]):
+        for tile_lo in range(0, blocks_pad, block_w):
+            any_lo, any_hi = (int(x[row]) for x in (ranges.any_lo, ranges.any_hi))
+            start, big, rest = (
+                int(x) for x in _geometry.visible_pieces(any_lo, any_hi, tile_lo, block_w, compute_w)
+            )
+            pieces = [(start + n * compute_w, compute_w) for n in range(big)]
+            at = start + big * compute_w
+            for width in _geometry.tail_widths(compute_w):
+                if rest & width:
+                    pieces.append((at, width))
+                    at += width
+            covered = np.zeros(block_w, int)
+            for at, width in pieces:
+                assert at % 128 == 0 and 0 <= at and at + width <= block_w, (row, tile_lo, pieces)
+                covered[at : at + width] += 1
+            assert covered.max(initial=0) <= 1, (row, tile_lo, pieces)  # disjoint
+            visible = seen[row, tile_lo : tile_lo + block_w]
+            assert not (visible & (covered == 0)).any(), (row, tile_lo, pieces)
+            groups = visible.reshape(-1, 128).any(axis=1)  # lane groups with a visible column
+            if groups.any():  # from the first lane group with a visible column to the last
+                first, last = np.nonzero(groups)[0][[0, -1]]
+                assert covered.sum() == (last - first + 1) * 128, (row, tile_lo, pieces)
+            else:
+                assert not pieces
+            total += covered.sum()
+    t = cost.tiling(family().plan(name), (kv_start.shape[0], 16, seq_len, 64, num_blocks))
+    assert cost.visible_columns(t, np.asarray(kv_start), np.asarray(kv_end)) == total
 
 
 @pytest.mark.parametrize("rate", [4, 128])

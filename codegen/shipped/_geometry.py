@@ -1,6 +1,7 @@
 """TPU tile geometry, each fact written once: the generator (cost model, VMEM budget, validation) and
 the generated runtime both import this file, and ``codegen render`` copies it into every family
-package as it is. It needs only ``jax.numpy``, on arrays or on scalars read from SMEM alike.
+package as it is. It needs only ``jax.numpy`` and ``jax.lax``, on arrays or on scalars read from
+SMEM alike.
 
 A vreg holds 8 sublanes x 128 lanes of 32 bits, so a narrower dtype packs more rows into one tile:
 Mosaic lays out a VMEM block's last dimension in 128 lanes and the one before it in rows of that
@@ -10,6 +11,7 @@ granule. Blocks shrunk to a small problem are rounded to it; the cost model pads
 import math
 
 import jax.numpy as jnp
+from jax import lax
 
 KIB, MIB = 2**10, 2**20
 LANES = 128
@@ -108,6 +110,34 @@ def block_kind(any_lo, any_hi, all_lo, all_hi, lo, hi):
 def block_empty(any_lo, any_hi, lo, hi):
     """Whether no query of a q block with these bounds may see any of the compressed blocks ``[lo, hi)``."""
     return (hi <= any_lo) | (any_hi <= lo)
+
+
+def visible_pieces(any_lo, any_hi, tile_lo, block_w, compute_w):
+    """How the forward walks the compressed blocks a q block with bounds (any_lo, any_hi) may see in
+    the w tile starting at ``tile_lo`` (``_kernel_ops.each_visible_piece``): ``(start, big, rest)``.
+
+    From column ``start`` of the tile (the first such block's, aligned down to a lane group), ``big``
+    pieces of ``compute_w`` columns, then ``rest`` columns (a multiple of 128 below ``compute_w``) in
+    the pieces of ``tail_widths`` that its bits name; (start, 0, 0) where it may see none. A band of
+    width b computes about b plus a lane group at each end, where aligned compute blocks compute up to a
+    compute block more at each end."""
+    # lax.div, not //: on non-negative int32 the same, and inside a kernel one instruction, where //
+    # rounds toward minus infinity through a sign Mosaic lowers only for a known TPU generation
+    lo = jnp.clip(any_lo - tile_lo, 0, block_w)
+    hi = jnp.clip(any_hi - tile_lo, 0, block_w)
+    start = lax.div(lo, LANES) * LANES
+    covered = jnp.where(lo < hi, lax.div(hi - start + LANES - 1, LANES) * LANES, 0)
+    return start, lax.div(covered, compute_w), lax.rem(covered, compute_w)
+
+
+def tail_widths(compute_w):
+    """The widths of the pieces the forward's walk ends on, widest first: every lane group times a
+    power of two below ``compute_w``, so that any multiple of 128 below it is a sum of distinct ones:
+    those of its set bits (``rest & width``)."""
+    widths = []
+    while LANES * 2 ** len(widths) < compute_w:
+        widths.append(LANES * 2 ** len(widths))
+    return widths[::-1]
 
 
 # The sparse kernels (``sparse_score``): grid (batch, q block of SPARSE_BLOCK_Q queries), k of one batch

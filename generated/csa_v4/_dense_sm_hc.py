@@ -7,9 +7,10 @@ logits tile by tile in VMEM and never hold a [B, H, S, W] (nor [B, S, W]) tensor
 
 Shared by tpu_sm_bf16_q16_w128_hc16, tpu_sm_bf16_q256_w2048c512_hc16, tpu_sm_bf16_q256_w2048c512_hc16_refbwd, tpu_sm_bf16_q512_w2048c512_hc16, tpu_sm_bf16f32_q256_w2048c512_hc16, tpu_sm_f32_q16_w128_hc16, tpu_sm_f32_q256_w2048c512_hc16. Each passes its ``_operands.Config`` as ``cfg``: tiling, dtypes, MXU precision, VMEM limits.
 Grid axes: b batch, i q block, j w tile, c head chunk (the backward's: the forward contracts every head of its q block in a step, a chunk per matmul, so it stores each compute block's scores once). A grid step's tiles are one DMA each; inside
-it every kernel steps through block_w // compute_w compute blocks: one that no query of the q block
-may see (by two int32 of the q block) does no work; one with work contracts its heads stacked into
-one matmul per chunk and applies the mask. A grid step whose tiles no query may see does nothing and fetches
+it the backward kernels step through block_w // compute_w compute blocks: one that no query of the q
+block may see (by two int32 of the q block) does no work; the forward computes only pieces covering
+what the q block may see. A block or piece with work contracts its heads stacked into one
+matmul per chunk and applies the mask. A grid step whose tiles no query may see does nothing and fetches
 nothing (``_*_reads``).
 """
 
@@ -162,17 +163,19 @@ def _forward_kernel(
     out_ref,   # outputs
     *, cfg, softmax_scale, head_dim,
 ):  # fmt: skip
-    """One [block_q, block_w] score tile, computed cfg.compute_w blocks at a time; all heads are contracted in this grid step, a head chunk per matmul.
+    """One [block_q, block_w] score tile, computed in pieces of cfg.compute_w blocks and narrower (or in compute blocks); all heads are contracted in this grid step, a head chunk per matmul.
 
-    A compute block no query of the q block may see does no work: it is stored masked. One with work
-    contracts the stacked heads against its keys and applies the mask, whether or not any entry is
-    masked: a branch on that costs more bundles than the select it would save.
+    The tile is stored masked, then the pieces that cover what the q block's queries may see
+    (``_kernel_ops.each_visible_piece``; float32 variants: the compute blocks they touch) overwrite it:
+    each contracts the stacked heads against its keys and applies the mask, whether or not any entry
+    is masked (a branch on that costs more bundles than the select it would save).
     """
     b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     del w_lo_ref, w_hi_ref  # used by the index maps only
     row = b * pl.num_programs(1) + i
+    _kernel_ops.fill_masked(out_ref)
 
-    @_kernel_ops.each_compute_block((any_lo_ref, any_hi_ref), row, j, k_ref.shape[0], cfg.compute_w)
+    @_kernel_ops.forward_walk(cfg)((any_lo_ref, any_hi_ref), row, j, k_ref.shape[0], cfg.compute_w)
     def _block(block):
 
         @pl.when(block.work)
@@ -183,10 +186,6 @@ def _forward_kernel(
                 acc += _head_sum(cfg, q_ref, k, weights_ref, c, head_dim)
             scores = softmax_scale * acc
             _kernel_ops.store_scores(cfg, out_ref, block, scores, kv_bounds_ref)
-
-        @pl.when(jnp.logical_not(block.work))
-        def _store_masked():
-            _kernel_ops.store_scores(cfg, out_ref, block, None, kv_bounds_ref)
 
 
 def _head_sum(cfg, q_ref, k, weights_ref, c, head_dim):

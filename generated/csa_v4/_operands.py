@@ -34,6 +34,9 @@ class Config(NamedTuple):
     # ops per (query, block), whether per head chunk)
     work: dict
     vmem_limit_bytes: dict  # kernel -> the scoped VMEM it is compiled with (None: the chip's default)
+    # how the forward walks a tile: "visible_pieces" (``_kernel_ops.each_visible_piece``) or
+    # "compute_blocks" (``_kernel_ops.each_compute_block``)
+    forward_walk: str
     # The forward writes its score transposed, [B, W, S]: ``score_topk``'s selection kernel reads a
     # query's scores down the sublanes of one lane, so no XLA copy transposes them (``forward``'s
     # ``transposed``; the kernels' tiles go through ``_kernel_ops.store_scores``).

@@ -70,6 +70,7 @@ CONFIG = _operands.Config(  # the kernel plan's facts the shared kernels take fr
     },
     # Scoped VMEM to compile each kernel with (None: the chip's default); codegen sized it for v5e, v5p, v6e, 7x.
     vmem_limit_bytes={"forward": 46137344, "dq_dweights": 47185920, "dk": 41943040, "dq_dk": 50331648},
+    forward_walk="compute_blocks",  # how the forward covers what a q block sees (plan.KernelPlan.walk)
 )
 
 

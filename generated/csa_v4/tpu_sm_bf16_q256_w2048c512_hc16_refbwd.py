@@ -65,6 +65,7 @@ CONFIG = _operands.Config(  # the kernel plan's facts the shared kernels take fr
     work={"forward": (1, 3, 6, False, 0, 0, 0)},
     # Scoped VMEM to compile each kernel with (None: the chip's default); codegen sized it for v5e, v5p, v6e, 7x.
     vmem_limit_bytes={"forward": 29360128},
+    forward_walk="visible_pieces",  # how the forward covers what a q block sees (plan.KernelPlan.walk)
 )
 
 

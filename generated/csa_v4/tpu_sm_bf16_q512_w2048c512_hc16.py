@@ -69,6 +69,7 @@ CONFIG = _operands.Config(  # the kernel plan's facts the shared kernels take fr
     },
     # Scoped VMEM to compile each kernel with (None: the chip's default); codegen sized it for v5e, v5p, v6e, 7x.
     vmem_limit_bytes={"forward": 57671680, "dq_dweights": 59768832, "dk": 61865984},
+    forward_walk="visible_pieces",  # how the forward covers what a q block sees (plan.KernelPlan.walk)
 )
 
 
