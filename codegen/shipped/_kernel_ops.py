@@ -1,7 +1,8 @@
 """Pieces of the dense kernel bodies that no variant changes: the compute blocks (the backward) and
-visible pieces (the forward) a tile is worked in, and its masks, the matmul policies (plain, split into a head and a tail, rounded),
-and the backward's gradient arithmetic (cotangents, dq and dweights from u, dk). They run on VMEM
-values and SMEM scalars inside a kernel; the sparse kernels share the matmul pieces."""
+visible pieces (the forward) a tile is worked in, and its masks, the matmul policies (plain, split
+into a head and a tail, rounded), and the backward's gradient arithmetic (cotangents, dq and
+dweights from u, dk). They run on VMEM values and SMEM scalars inside a kernel; the sparse kernels
+share the matmul pieces."""
 
 from typing import NamedTuple
 
