@@ -42,8 +42,7 @@ from codegen.grid_steps import (
     call_cycles,
     steps,
 )
-from codegen.plan import COMPUTE_BLOCKS, VISIBLE_PIECES, KernelPlan, VariantPlan
-from codegen.shipped import _geometry as geometry
+from codegen.plan import COMPUTE_BLOCKS, KernelPlan, VariantPlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +118,7 @@ def kernel_report(
             **timing,
         )  # fmt: skip
     n_blocks = t.block_w // t.compute_w
-    tails = len(geometry.tail_widths(t.compute_w)) if kp.walk == VISIBLE_PIECES else 0
+    tails = len(cost.walk_tails(t, kp.walk))
     # raises on a loop other than the compute blocks'
     st = steps(kp.name, plan.head_chunk > 0, sched, n_blocks, one_step_reduction(kp, t), tails)
     steady = not kp.reduced  # a step inside its reduction (neither first nor last), or its only step

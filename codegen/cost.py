@@ -160,6 +160,20 @@ def _q_block_bounds(t: Tiling, kv_start, kv_end) -> list[np.ndarray]:
     ]
 
 
+def walk_tails(t: Tiling, walk: str) -> list[int]:
+    """The widths of the tail pieces a kernel walking its tiles by ``walk`` runs after its loop (widest
+    first; none for compute blocks)."""
+    return geometry.tail_widths(t.compute_w) if walk == plan_module.VISIBLE_PIECES else []
+
+
+def _pieces(t: Tiling, bounds: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(big, rest) of the forward's walk (``_geometry.visible_pieces``) for every (q block, w tile),
+    ``[B * q blocks, w tiles]``, from ``_q_block_bounds``."""
+    tile_lo = np.arange(0, t.blocks_pad, t.block_w, dtype=np.int32)[None]
+    _, big, rest = geometry.visible_pieces(*bounds[:2], tile_lo, t.block_w, t.compute_w)
+    return np.asarray(big), np.asarray(rest)
+
+
 def kind_matrix(t: Tiling, kv_start=None, kv_end=None, walk: str = plan_module.COMPUTE_BLOCKS) -> np.ndarray:
     """Every (q block, compute block) of a call as a kernel walking its tiles by ``walk`` classifies it:
     int8 [B * q blocks, pieces of the padded W], 0 empty, 1 full, 2 partial; without bounds, every
@@ -169,16 +183,13 @@ def kind_matrix(t: Tiling, kv_start=None, kv_end=None, walk: str = plan_module.C
     p = t.shape
     rows, n_blocks = p.batch * (t.seq_pad // t.block_q), t.block_w // t.compute_w
     tiles_ = t.blocks_pad // t.block_w
-    tails = geometry.tail_widths(t.compute_w) if walk == plan_module.VISIBLE_PIECES else []
+    tails = walk_tails(t, walk)
     if kv_start is None:
         per_tile = np.array([1] * n_blocks + [0] * len(tails), np.int8)
         return np.tile(per_tile, (rows, tiles_))
     bounds = _q_block_bounds(t, kv_start, kv_end)
     if walk == plan_module.VISIBLE_PIECES:
-        tile_lo = np.arange(0, t.blocks_pad, t.block_w, dtype=np.int32)[None]
-        _, big, rest = (
-            np.asarray(x) for x in geometry.visible_pieces(*bounds[:2], tile_lo, t.block_w, t.compute_w)
-        )
+        big, rest = _pieces(t, bounds)
         trips = np.arange(n_blocks)[None, None] < big[:, :, None]
         taken = [(rest & w != 0)[:, :, None] for w in tails]
         return (2 * np.concatenate([trips, *taken], axis=2)).astype(np.int8).reshape(rows, -1)
@@ -189,11 +200,7 @@ def kind_matrix(t: Tiling, kv_start=None, kv_end=None, walk: str = plan_module.C
 
 def visible_columns(t: Tiling, kv_start, kv_end) -> int:
     """(q block, compressed block) pairs the forward's pieces cover over a call."""
-    any_lo, any_hi = _q_block_bounds(t, kv_start, kv_end)[:2]
-    tile_lo = np.arange(0, t.blocks_pad, t.block_w, dtype=np.int32)[None]
-    _, big, rest = (
-        np.asarray(x) for x in geometry.visible_pieces(any_lo, any_hi, tile_lo, t.block_w, t.compute_w)
-    )
+    big, rest = _pieces(t, _q_block_bounds(t, kv_start, kv_end))
     return int((big * t.compute_w + rest).sum())
 
 

@@ -95,7 +95,7 @@ def test_compiled_schedule_of_the_production_kernels(tmp_path):
         sched = schedule.parse(*kernels[f"{PRODUCTION}_{kp.name}"])
         causal, unmasked = cost.kind_matrix(t, *bounds, walk=kp.walk), cost.kind_matrix(t, walk=kp.walk)
         # the forward's walk ends on a piece of 256 and one of 128 after its loop of 512-wide ones
-        tails = 2 if kp.walk == plan_module.VISIBLE_PIECES else 0
+        tails = len(cost.walk_tails(t, kp.walk))
         assert tails == (2 if kp.name == "forward" else 0)
         # raises if the branches are not the template's
         one_step = grid_steps.one_step_reduction(kp, t)  # dq/dweights: one w tile at W = 2048

@@ -3,6 +3,8 @@ the causal off-by-one, and top-k agreement. Every generated variant, discovered 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -150,30 +152,52 @@ def test_tile_ranges_match_brute_force(name):
         assert (q_lo[b, j], q_hi[b, j]) == (rows.min(), rows.max() + 1)
 
 
+class _Visibility(NamedTuple):
+    kv_start: jax.Array
+    kv_end: jax.Array
+    seq_len: int
+    num_blocks: int
+    block_q: int
+    block_w: int
+    compute_w: int
+    blocks_pad: int
+    ranges: object  # the call's tile_ranges
+    seen: np.ndarray  # bool [B, S_pad, W_pad]: query s may see compressed block w
+
+
+def _visibility(name, causal, seed, seq_len=300, num_blocks=700):
+    """A call of variant ``name`` at S x W under causal CSA or random ranges (``seed``): its tiling
+    (a tile of one compute block shrinks its compute width with it), its scalar-prefetch ranges, and
+    the [S, W] visibility matrix, padded as the kernels pad."""
+    module = VARIANTS[name]
+    if causal:
+        kv_start, kv_end = causal_kv_range(jnp.arange(4 * seq_len, step=4)[None] + 3, 4)
+    else:
+        kv_start, kv_end = support.mask_batch(seq_len, num_blocks, seed=seed)
+    block_q, block_w = module.tiles(seq_len, num_blocks)
+    seq_pad, blocks_pad = -(-seq_len // block_q) * block_q, -(-num_blocks // block_w) * block_w
+    pad = lambda x: jnp.pad(jnp.clip(x, 0, num_blocks), ((0, 0), (0, seq_pad - seq_len)))
+    ranges = tile_ranges(pad(kv_start), pad(kv_end), block_q, block_w, blocks_pad // block_w)
+    columns = np.arange(blocks_pad)
+    seen = (np.asarray(pad(kv_start))[..., None] <= columns) & (columns < np.asarray(pad(kv_end))[..., None])
+    return _Visibility(kv_start, kv_end, seq_len, num_blocks, block_q, block_w,
+                       min(module.COMPUTE_W, block_w), blocks_pad, ranges, seen)  # fmt: skip
+
+
 @pytest.mark.parametrize("name", _one_per_tiling(300, 700))
 @pytest.mark.parametrize("causal", [False, True], ids=["random_ranges", "causal"])
 def test_compute_block_kinds_match_brute_force(name, causal):
     """Every (q block, compute block) the kernels call full is fully visible and every one they call
     empty is invisible, against the [S, W] visibility matrix; under a causal mask (contiguous ranges)
     the kernels call empty exactly the invisible ones, so no compute block with no work runs."""
-    module = VARIANTS[name]
-    seq_len, num_blocks = 300, 700
-    if causal:
-        kv_start, kv_end = causal_kv_range(jnp.arange(4 * seq_len, step=4)[None] + 3, 4)
-    else:
-        kv_start, kv_end = support.mask_batch(seq_len, num_blocks, seed=28)
-    block_q, block_w = module.tiles(seq_len, num_blocks)
-    compute_w = min(module.COMPUTE_W, block_w)  # a tile of one compute block shrinks with it
-    seq_pad, blocks_pad = -(-seq_len // block_q) * block_q, -(-num_blocks // block_w) * block_w
-    pad = lambda x: jnp.pad(jnp.clip(x, 0, num_blocks), ((0, 0), (0, seq_pad - seq_len)))
-    ranges = tile_ranges(pad(kv_start), pad(kv_end), block_q, block_w, blocks_pad // block_w)
-    bounds = [np.asarray(x)[:, None] for x in (ranges.any_lo, ranges.any_hi, ranges.all_lo, ranges.all_hi)]
+    v = _visibility(name, causal, seed=28)
+    seq_len, block_q, compute_w, blocks_pad = v.seq_len, v.block_q, v.compute_w, v.blocks_pad
+    bounds = [
+        np.asarray(x)[:, None] for x in (v.ranges.any_lo, v.ranges.any_hi, v.ranges.all_lo, v.ranges.all_hi)
+    ]
     lo = np.arange(0, blocks_pad, compute_w)[None]
     empty, full = (np.asarray(x) for x in block_kind(*bounds, lo, lo + compute_w))
-    columns = np.arange(blocks_pad)
-    seen = (np.asarray(pad(kv_start))[..., None] <= columns) & (columns < np.asarray(pad(kv_end))[..., None])
-    batch = seen.shape[0]
-    seen = seen.reshape(batch * seq_pad // block_q, block_q, blocks_pad // compute_w, compute_w)
+    seen = v.seen.reshape(-1, block_q, blocks_pad // compute_w, compute_w)
     truly_empty, truly_full = ~seen.any(axis=(1, 3)), seen.all(axis=(1, 3))
     assert np.array_equal(full, truly_full)
     assert not (empty & ~truly_empty).any()
@@ -192,20 +216,9 @@ def test_forward_pieces_cover_exactly_the_visible_lane_groups(name, causal):
     tails ``rest`` names) lays disjoint, lane-aligned pieces inside the tile that cover every column a
     query of the q block sees there, and no lane group past the first and last it sees; the cost
     model's count of covered columns is their sum. Against the [S, W] visibility matrix."""
-    module = VARIANTS[name]
-    seq_len, num_blocks = 300, 700
-    if causal:
-        kv_start, kv_end = causal_kv_range(jnp.arange(4 * seq_len, step=4)[None] + 3, 4)
-    else:
-        kv_start, kv_end = support.mask_batch(seq_len, num_blocks, seed=29)
-    block_q, block_w = module.tiles(seq_len, num_blocks)
-    compute_w = min(module.COMPUTE_W, block_w)
-    seq_pad, blocks_pad = -(-seq_len // block_q) * block_q, -(-num_blocks // block_w) * block_w
-    pad = lambda x: jnp.pad(jnp.clip(x, 0, num_blocks), ((0, 0), (0, seq_pad - seq_len)))
-    ranges = tile_ranges(pad(kv_start), pad(kv_end), block_q, block_w, blocks_pad // block_w)
-    columns = np.arange(blocks_pad)
-    seen = (np.asarray(pad(kv_start))[..., None] <= columns) & (columns < np.asarray(pad(kv_end))[..., None])
-    seen = seen.reshape(-1, block_q, blocks_pad).any(axis=1)  # [B * q blocks, W]: some query sees it
+    v = _visibility(name, causal, seed=29)
+    block_w, compute_w, blocks_pad, ranges = v.block_w, v.compute_w, v.blocks_pad, v.ranges
+    seen = v.seen.reshape(-1, v.block_q, blocks_pad).any(axis=1)  # [B * q blocks, W]: some query sees it
     total = 0
     for row in range(seen.shape[0]):
         for tile_lo in range(0, blocks_pad, block_w):
@@ -233,8 +246,8 @@ def test_forward_pieces_cover_exactly_the_visible_lane_groups(name, causal):
             else:
                 assert not pieces
             total += covered.sum()
-    t = cost.tiling(family().plan(name), (kv_start.shape[0], 16, seq_len, 64, num_blocks))
-    assert cost.visible_columns(t, np.asarray(kv_start), np.asarray(kv_end)) == total
+    t = cost.tiling(family().plan(name), (v.kv_start.shape[0], 16, v.seq_len, 64, v.num_blocks))
+    assert cost.visible_columns(t, np.asarray(v.kv_start), np.asarray(v.kv_end)) == total
 
 
 @pytest.mark.parametrize("rate", [4, 128])
