@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from codegen.hlo_audit import analyse
 from generated.csa_v4 import VARIANTS
 
-DEFAULT_VARIANTS = ("tpu_sm_bf16_q256_w2048c512_hc16", "tpu_sm_bf16_q256_w2048c512_hc16_refbwd")
+DEFAULT_VARIANTS = ("tpu_sm_bf16_q256_w2048c512f256_hc16", "tpu_sm_bf16_q256_w2048c512f256_hc16_refbwd")
 PRODUCTION_SHAPE = (1, 64, 8192, 128, 2048)  # B, H, S, D, W
 
 

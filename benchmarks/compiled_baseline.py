@@ -22,8 +22,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from codegen import compiled, pipeline, tpu_compile  # noqa: E402
 
 PRODUCTION = (
-    "tpu_hm_bf16_q256_w2048c512_hcall",
-    "tpu_sm_bf16_q256_w2048c512_hcall",
+    "tpu_hm_bf16_q256_w2048c512f256_hcall",
+    "tpu_sm_bf16_q256_w2048c512f256_hcall",
     "tpu_sm_bf16_q512_w2048c512_hc16",
 )
 UNITS = ("MXU", "XLU", "VALU", "VLOAD", "VSTORE")

@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from generated.csa_v4 import VARIANTS  # noqa: E402
 
-DEFAULT_VARIANT = "tpu_sm_bf16_q256_w2048c512_hc16"
+DEFAULT_VARIANT = "tpu_sm_bf16_q256_w2048c512f256_hc16"
 # mode: (mesh shape, axis names, sharded_score arguments)
 MODES = {
     "data": ((8,), ("data",), {}),

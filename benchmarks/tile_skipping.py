@@ -20,7 +20,7 @@ from codegen.pipeline import load_family
 
 SPEC = pathlib.Path(__file__).resolve().parent.parent / "specs" / "csa_v4.yaml"
 DEFAULT_VARIANTS = (
-    "tpu_hm_bf16_q256_w2048c512_hc16",
+    "tpu_hm_bf16_q256_w2048c512f256_hc16",
     "tpu_hm_bf16_q16_w128_hc16",
 )  # production, small tiling
 

@@ -245,15 +245,15 @@ def explain(
                 kp = next((k for k in plan.kernels if k.name == kernel), None)
                 model_bytes = 0
                 if kp is not None:
-                    block_kinds = cost.block_kinds(t, *bounds) if bounds else None
-                    model_bytes = cost.kernel_cost(plan, kp, tuple(shape), block_kinds).hbm_bytes
+                    model_bytes = cost.kernel_cost(plan, kp, tuple(shape), bounds or None).hbm_bytes
+                tk = cost.tiling(plan, shape, kp)  # of the kernel's compute width
                 report = kernel_report(
                     plan,
                     kp,
                     kernel,
                     _step_schedule(sched, kernel, family, path, shape),
-                    t,
-                    cost.kind_matrix(t, *bounds, walk=kp.walk if kp is not None else COMPUTE_BLOCKS),
+                    tk,
+                    cost.kind_matrix(tk, *bounds, walk=kp.walk if kp is not None else COMPUTE_BLOCKS),
                     cal,
                     CALIBRATION_BLOCK[0] * CALIBRATION_BLOCK[1],
                     chip=request.chip,

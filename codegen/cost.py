@@ -74,20 +74,28 @@ class Tiling:
         return tuple(sizes.get(d, d) for d in symbolic if d is not None)
 
 
-def tiling(plan: VariantPlan, shape: tuple[int, int, int, int, int]) -> Tiling:
-    """Blocks shrink to the problem: rows to the plan's sublane granule, columns to whole compute blocks."""
+def tiling(
+    plan: VariantPlan, shape: tuple[int, int, int, int, int], kernel: KernelPlan | None = None
+) -> Tiling:
+    """Blocks shrink to the problem: rows to the plan's sublane granule, columns to whole compute blocks
+    of every pass. The compute width is ``kernel``'s (the forward's where None)."""
     p = Shape(*shape)
     heads = plan.head_chunk or p.num_heads
     if p.num_heads % heads:
         raise ValueError(f"head_chunk {heads} does not divide num_heads {p.num_heads}")
     block_q, block_w = geometry.tiles(
-        p.seq_len, p.num_blocks, plan.block_q, plan.block_w, plan.compute_w, plan.sublanes
+        p.seq_len,
+        p.num_blocks,
+        plan.block_q,
+        plan.block_w,
+        (plan.compute_w, plan.fused_compute_w),
+        plan.sublanes,
     )
     return Tiling(
         p,
         block_q,
         block_w,
-        geometry.call_compute_w(block_w, plan.compute_w),
+        geometry.call_compute_w(block_w, getattr(plan, kernel.width if kernel else "compute_w")),
         heads,
         geometry.round_up(p.seq_len, block_q),
         geometry.round_up(p.num_blocks, block_w),
@@ -311,11 +319,12 @@ def kernel_cost(
     plan: VariantPlan,
     kernel: KernelPlan,
     shape: tuple[int, int, int, int, int],
-    kinds: BlockKinds | None = None,
+    bounds: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> KernelCost:
     """The cost of one of the variant's pallas_calls at problem ``shape`` (B, H, S, D, W): every compute
-    block doing unmasked work, or, given ``kinds``, exactly what the kernels execute under that mask."""
-    t = tiling(plan, shape)
+    block doing unmasked work, or, given ``bounds`` (kv_start, kv_end [B, S]), exactly what the kernel
+    executes under that mask (its compute blocks, of its own width: ``block_kinds``)."""
+    t = tiling(plan, shape, kernel)
     p = t.shape
     grid = tuple(t.extents[a] for a in kernel.axes)
     blocks = {b.name: (t.dims(b.shape), geometry.itemsize(b.dtype)) for b in kernel.blocks}
@@ -328,7 +337,7 @@ def kernel_cost(
     single: list[tuple[tuple[int, ...], int]] = [
         (t.dims(s.shape), geometry.itemsize(s.dtype)) for s in kernel.scratch + kernel.temporaries
     ]
-    kinds = kinds or unmasked_kinds(t)
+    kinds = unmasked_kinds(t) if bounds is None else block_kinds(t, *bounds)
     # (query, compressed block) entries computed: of every compute block with work, or of every piece
     columns = kinds.work * t.compute_w if kernel.walk == plan_module.COMPUTE_BLOCKS else kinds.visible_columns
     pair_entries = t.block_q * columns
@@ -366,10 +375,12 @@ def kernel_cost(
 
 
 def variant_costs(
-    plan: VariantPlan, shape: tuple[int, int, int, int, int], kinds: BlockKinds | None = None
+    plan: VariantPlan,
+    shape: tuple[int, int, int, int, int],
+    bounds: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> list[KernelCost]:
-    """Every pallas_call of the variant at shape (B, H, S, D, W) (under the mask ``kinds`` classifies)."""
-    return [kernel_cost(plan, kernel, shape, kinds) for kernel in plan.kernels]
+    """Every pallas_call of the variant at shape (B, H, S, D, W) (under the mask of ``bounds``)."""
+    return [kernel_cost(plan, kernel, shape, bounds) for kernel in plan.kernels]
 
 
 def call_kernels(plan: VariantPlan, shape: tuple[int, int, int, int, int]) -> tuple[KernelPlan, ...]:

@@ -40,12 +40,12 @@ class Row:
 def explain(
     plan: VariantPlan, shape: tuple[int, ...], chip: chips.Chip, compress_rate: int, causal: bool = False
 ) -> list[Row]:
-    t = cost.tiling(plan, shape)
-    kinds = cost.causal_kinds(t, compress_rate) if causal else None
-    shown = kinds or cost.unmasked_kinds(t)
+    bounds = cost.causal_bounds(cost.Shape(*shape), compress_rate) if causal else None
     rows = []
     for kernel in cost.call_kernels(plan, shape):
-        k = cost.kernel_cost(plan, kernel, shape, kinds)
+        t = cost.tiling(plan, shape, kernel)  # of the kernel's compute width
+        shown = cost.unmasked_kinds(t) if bounds is None else cost.block_kinds(t, *bounds)
+        k = cost.kernel_cost(plan, kernel, shape, bounds)
         unmasked = cost.kernel_cost(plan, kernel, shape)
         rows.append(
             Row(

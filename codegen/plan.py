@@ -12,7 +12,7 @@ dimensions are symbols resolved per call (``block_q``, ``block_w``, ``compute_w`
 None (a squeezed dimension).
 
 A grid step's blocks are one DMA's worth (``block_q x block_w``); inside it every kernel steps
-through ``block_w // compute_w`` compute blocks, each classified from four int32 of its q block
+through ``block_w // compute_w`` compute blocks (of its own width: ``KernelPlan.width``), each classified from four int32 of its q block
 (``codegen/shipped/_geometry.py``) as empty (no work), full or partial; only empty is branched
 on, and every block with work is masked.
 """
@@ -149,6 +149,9 @@ class KernelPlan:
     # (COMPUTE_BLOCKS), or pieces covering just the columns it may see (VISIBLE_PIECES: the forward's,
     # ``_geometry.visible_pieces``)
     walk: str = COMPUTE_BLOCKS
+    # Which of the tiling's compute widths the kernel steps through a block_w tile by (the "compute_w"
+    # of its buffers' shapes): "compute_w", or the fused backward's "fused_compute_w"
+    width: str = "compute_w"
 
     @property
     def axes(self) -> str:
@@ -186,6 +189,7 @@ class VariantPlan:
     block_q: int
     block_w: int
     compute_w: int  # compressed blocks per compute step inside a block_w tile
+    fused_compute_w: int  # the same in the fused backward (dq_dk)
     head_chunk: int  # 0: all heads in one grid step
     sublanes: int  # row granule of a shrunk q block: the narrowest dtype of q, weights and output
     mxu_itemsize: int  # the type the MXU multiplies in: 4 only for float32 at highest precision
@@ -431,6 +435,8 @@ def build(variant: Variant) -> VariantPlan:
                 scratch=(Buffer("dq_acc", q_block, F32),) + dk_scratch,
                 temporaries=dk_temporaries,
                 skip=_skip(dq_dk_grid, "j", "i", "w_lo", "w_hi"),
+                # it holds dq's and dk's temporaries for each compute block at once
+                width="fused_compute_w",
                 work=Work(
                     mxu_passes=1 + cotangent_parts + grad_passes,
                     vpu_ops=cotangent_parts + 2,
@@ -448,6 +454,7 @@ def build(variant: Variant) -> VariantPlan:
         block_q=variant.block_q,
         block_w=variant.block_w,
         compute_w=variant.compute_w,
+        fused_compute_w=variant.fused_compute_w,
         head_chunk=variant.head_chunk,
         sublanes=geometry.sublanes(narrowest),
         mxu_itemsize=mxu_itemsize,

@@ -64,7 +64,10 @@ class Tiling(StrictModel):
     A DMA brings in a ``block_q x block_w`` tile; the kernels then step through it ``compute_w``
     compressed blocks at a time (as ``flash_attention.py`` separates ``block_k_major`` from
     ``block_k``), and a compute block that no query of the tile may see does no work at all. Big
-    transfers, fine-grained skipping. None: one compute block per tile.
+    transfers, fine-grained skipping. None: one compute block per tile. ``fused_compute_w`` is the
+    fused backward kernel's own width (None: ``compute_w``): it holds a head group's logits and dlogits
+    for dq and for dk per compute block, where the forward holds one sum, so a width that suits one
+    need not suit the other.
 
     A variant's name shows the tiling as ``q{block_q}_w{block_w}`` followed by each further field that
     declares a ``name_tag``, as tag and value, unless the value is its ``name_omits`` (a value, or the
@@ -79,7 +82,12 @@ class Tiling(StrictModel):
         default=None, json_schema_extra={"name_tag": "c", "name_omits": "block_w"}
     )
 
-    @field_validator("compute_w")
+    # the fused backward's (dq_dk's) compute width, where it is not compute_w's
+    fused_compute_w: Annotated[int, Field(ge=1)] | None = Field(
+        default=None, json_schema_extra={"name_tag": "f", "name_omits": "compute_w"}
+    )
+
+    @field_validator("compute_w", "fused_compute_w")
     @classmethod
     def _divides_block_w(cls, value: int | None, info: ValidationInfo) -> int | None:
         block_w = info.data.get("block_w")  # validated first; absent if it was invalid
@@ -93,9 +101,17 @@ class Tiling(StrictModel):
     def compute_width(self) -> int:
         return self.compute_w or self.block_w
 
+    @property
+    def fused_compute_width(self) -> int:
+        return self.fused_compute_w or self.compute_width
+
     def resolved(self) -> dict:
         """Every field with its default filled in, as ``VARIANT`` holds them."""
-        return {**self.model_dump(), "compute_w": self.compute_width}
+        return {
+            **self.model_dump(),
+            "compute_w": self.compute_width,
+            "fused_compute_w": self.fused_compute_width,
+        }
 
     def name_part(self) -> str:
         """How a variant name shows this tiling (see the class docstring)."""

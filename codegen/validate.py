@@ -40,14 +40,17 @@ def _tpu_problems(spec: FamilySpec, variant: Variant) -> list[Problem]:
                 f"must be a multiple of {geometry.LANES} on TPU (lanes of the output block)",
             )
         )
-    if variant.compute_w % geometry.LANES:
-        problems.append(
-            Problem(
-                f"{tiling}.compute_w",
-                variant.compute_w,
-                f"must be a multiple of {geometry.LANES} on TPU (lanes of a compute block's slice of the tile)",
+    # fused_compute_w left out is compute_w's: a problem of that field alone
+    widths = ("compute_w", "fused_compute_w") if variant.tiles.fused_compute_w else ("compute_w",)
+    for field in widths:
+        if getattr(variant, field) % geometry.LANES:
+            problems.append(
+                Problem(
+                    f"{tiling}.{field}",
+                    getattr(variant, field),
+                    f"must be a multiple of {geometry.LANES} on TPU (lanes of a compute block's slice of the tile)",
+                )
             )
-        )
     heads, head_dim, chunk = spec.model.num_heads, spec.model.head_dim, variant.head_chunk
     if chunk and heads % chunk:
         problems.append(

@@ -1,7 +1,7 @@
 """Expands a spec's variant matrix (plus include, minus exclude) into concrete, named variants.
 
 A variant's name is its parameters in a fixed order, so the same parameters always give the same
-name and file: ``{backend}_{hm|sm}_{dtype}_q{block_q}_w{block_w}[c{compute_w}]_hc{head_chunk|all}`` and
+name and file: ``{backend}_{hm|sm}_{dtype}_q{block_q}_w{block_w}[c{compute_w}][f{fused_compute_w}]_hc{head_chunk|all}`` and
 a ``_refbwd`` suffix only when the backward is the reference VJP rather than the fused kernels. The
 compute width (and any further tiling field that declares a name tag) shows only when it is not the
 value names leave out (``Tiling.name_part``), so that every name that existed before it was a tiling
@@ -47,6 +47,11 @@ class Variant:
     def compute_w(self) -> int:
         """Compressed blocks per compute step inside a block_w tile."""
         return self.tiles.compute_width
+
+    @property
+    def fused_compute_w(self) -> int:
+        """The fused backward kernel's compressed blocks per compute step."""
+        return self.tiles.fused_compute_width
 
     @property
     def name(self) -> str:

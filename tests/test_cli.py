@@ -105,7 +105,7 @@ def test_list_shows_every_variant_with_parameters(capsys):
 
 
 def test_diff_of_two_variants_is_a_reviewable_unified_diff(capsys):
-    a, b = "tpu_hm_f32_q256_w2048c512_hc16", "tpu_hm_f32_q128_w1024c512_hcall"
+    a, b = "tpu_hm_f32_q256_w2048c512f256_hc16", "tpu_hm_f32_q128_w1024c512_hcall"
     assert cli.main(["diff", str(SPEC_PATH), a, b]) == 1
     out = capsys.readouterr().out
     assert out.startswith(f"--- {a}.py\n+++ {b}.py\n")
@@ -116,18 +116,18 @@ def test_diff_of_two_variants_is_a_reviewable_unified_diff(capsys):
 
 def test_diff_of_two_tilings_is_constants_only(capsys):
     """A tiling is constants: the two tilings of one variant differ in its name, block sizes and VMEM limits only."""
-    a, b = "tpu_hm_bf16_q256_w2048c512_hc16", "tpu_hm_bf16_q16_w128_hc16"
+    a, b = "tpu_hm_bf16_q256_w2048c512f256_hc16", "tpu_hm_bf16_q16_w128_hc16"
     assert cli.main(["diff", str(SPEC_PATH), a, b]) == 1
     changed = [line for line in capsys.readouterr().out.splitlines()[2:] if line[:1] in "+-"]
     constants = re.compile(
-        r'^[+-](BLOCK_[QW] = \d+|COMPUTE_W = \d+  #[^\n]*|    "(name|block_q|block_w|compute_w)": [^\n]+,'
+        r'^[+-](BLOCK_[QW] = \d+|(FUSED_)?COMPUTE_W = \d+  #[^\n]*|    "(name|block_q|block_w|(fused_)?compute_w)": [^\n]+,'
         r'|    vmem_limit_bytes=[^\n]+,|"""[^\n]*variant ``\w+``\.)$'
     )
     assert changed and all(constants.match(line) for line in changed), changed
 
 
 def test_diff_between_fused_and_reference_backward_touches_only_the_backward(capsys):
-    fused, reference = "tpu_sm_bf16_q256_w2048c512_hc16", "tpu_sm_bf16_q256_w2048c512_hc16_refbwd"
+    fused, reference = "tpu_sm_bf16_q256_w2048c512f256_hc16", "tpu_sm_bf16_q256_w2048c512f256_hc16_refbwd"
     assert cli.main(["diff", str(SPEC_PATH), fused, reference]) == 1
     changed = [
         line for line in capsys.readouterr().out.splitlines()[2:] if line[:1] in "+-" and line[1:].strip()
@@ -142,11 +142,18 @@ def test_diff_between_fused_and_reference_backward_touches_only_the_backward(cap
 
 def test_diff_of_an_unknown_variant_suggests_names(capsys):
     assert (
-        cli.main(["diff", str(SPEC_PATH), "tpu_hm_f32_q256_w2048c512_hc16", "tpu_hm_f32_q256_w2048c512_hc8"])
+        cli.main(
+            [
+                "diff",
+                str(SPEC_PATH),
+                "tpu_hm_f32_q256_w2048c512f256_hc16",
+                "tpu_hm_f32_q256_w2048c512f256_hc8",
+            ]
+        )
         == 2
     )
     err = capsys.readouterr().err
-    assert "no variant named 'tpu_hm_f32_q256_w2048c512_hc8'" in err and "did you mean" in err
+    assert "no variant named 'tpu_hm_f32_q256_w2048c512f256_hc8'" in err and "did you mean" in err
 
 
 @pytest.mark.parametrize("command", [[], ["render"], ["list"], ["diff"], ["explain"]])

@@ -16,11 +16,11 @@ from codegen import plan as plan_module
 from tests.spec_cases import SPEC_PATH
 
 SHAPE = (1, 64, 8192, 128, 2048)
-PRODUCTION = "tpu_sm_bf16_q256_w2048c512_hc16"
+PRODUCTION = "tpu_sm_bf16_q256_w2048c512f256_hc16"
 # What libtpu printed for the sparse gather of bfloat16 rows before it read aligned row groups.
 MOSAIC_ERROR = (
     "XlaRuntimeError: INTERNAL: Mosaic failed to compile TPU kernel with MLIR module name "
-    "`tpu_sm_bf16_q256_w2048c512_hc16_sparse_forward` HLO name `tpu_sm_bf16_q256_w2048c512_hc16_sparse_forward.1`: "
+    "`tpu_sm_bf16_q256_w2048c512f256_hc16_sparse_forward` HLO name `tpu_sm_bf16_q256_w2048c512f256_hc16_sparse_forward.1`: "
     "E2003: CompileTimeMosaicUnprovenMemoryAccessAlignment: cannot statically prove that index in dimension 1 "
     "is a multiple of 8 The MLIR operation involved: %1 = vector.load ..."
 )
@@ -89,9 +89,11 @@ def test_compiled_schedule_of_the_production_kernels(tmp_path):
     assert calib.body > 0
 
     kernels = {**results[0].kernels(), **results[1].kernels()}
-    n_blocks = t.block_w // t.compute_w
     bounds = cost.causal_bounds(t.shape, family.spec.computation.compress_rate)
     for kp in cost.call_kernels(plan, SHAPE):  # the forward and, one w tile covering W, dq_dk
+        t = cost.tiling(plan, SHAPE, kp)  # 512-wide compute blocks in the forward, 256 in dq_dk
+        n_blocks = t.block_w // t.compute_w
+        assert n_blocks == (4 if kp.name == "forward" else 8)
         sched = schedule.parse(*kernels[f"{PRODUCTION}_{kp.name}"])
         causal, unmasked = cost.kind_matrix(t, *bounds, walk=kp.walk), cost.kind_matrix(t, walk=kp.walk)
         # the forward's walk ends on a piece of 256 and one of 128 after its loop of 512-wide ones
@@ -124,7 +126,7 @@ def test_compiled_schedule_of_the_production_kernels(tmp_path):
             m: compiled.kernel_report(plan, kp, kp.name, sched, t, k, *cal)
             for m, k in (("u", unmasked), ("c", causal))
         }
-        # causal skipping: cycles follow the share of compute blocks with work (0.625 at this tiling),
+        # causal skipping: cycles follow the share of compute blocks with work (0.5625 at this tiling),
         # or of the columns the forward's pieces cover (0.531), plus what an empty block and an idle step
         # still issue
         if kp.walk == plan_module.VISIBLE_PIECES:

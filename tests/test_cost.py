@@ -23,7 +23,7 @@ SM_F32 = family().plan("tpu_sm_f32_q16_w128_hcall")
 # A 128 x 1024 tiling with one compute block per tile (the spec's q128w1024 candidate), hand-costed below.
 HM_BF16 = plan.build(
     dataclasses.replace(
-        family().plan("tpu_hm_bf16_q256_w2048c512_hc16").variant,
+        family().plan("tpu_hm_bf16_q256_w2048c512f256_hc16").variant,
         tiling="q128w1024",
         tiles=family().spec.tilings["q128w1024"],
     )
@@ -187,7 +187,7 @@ def _block_indices(block_mapping, grid, prefetch) -> list[tuple[int, ...]]:
 
 
 @pytest.mark.parametrize(
-    "name", ["tpu_hm_bf16_q16_w128_hc16", "tpu_sm_f32_q16_w128_hcall", "tpu_sm_fp8_q256_w2048c512_hc16"]
+    "name", ["tpu_hm_bf16_q16_w128_hc16", "tpu_sm_f32_q16_w128_hcall", "tpu_sm_fp8_q256_w2048c512f256_hc16"]
 )
 def test_fetches_match_a_walk_of_the_real_index_maps(name):
     """Every block's DMA count in the cost model equals a walk of the generated pallas_call's own index
@@ -270,7 +270,7 @@ def test_roofline():
     assert fwd.intensity() == pytest.approx((2**38 + vpu) / 202440704)
     # f32 inputs run at 1/6 of the bf16 rate.
     [f32_fwd, *_] = cost.variant_costs(
-        family().plan("tpu_hm_f32_q256_w2048c512_hc16"), (1, 64, 8192, 128, 2048)
+        family().plan("tpu_hm_f32_q256_w2048c512f256_hc16"), (1, 64, 8192, 128, 2048)
     )
     assert f32_fwd.compute_seconds(v6e) == pytest.approx(2**38 * 6 / 920e12 + vpu / 920e12)
 
@@ -323,7 +323,12 @@ def test_float32_default_precision_is_one_bf16_pass():
 
 
 @pytest.mark.parametrize(
-    "name", ["tpu_hm_bf16_q256_w2048c512_hc16", "tpu_sm_f32_q16_w128_hcall", "tpu_sm_fp8_q256_w2048c512_hc16"]
+    "name",
+    [
+        "tpu_hm_bf16_q256_w2048c512f256_hc16",
+        "tpu_sm_f32_q16_w128_hcall",
+        "tpu_sm_fp8_q256_w2048c512f256_hc16",
+    ],
 )
 def test_generated_cost_estimates_are_the_model(name):
     """Every pallas_call carries a pl.CostEstimate equal to codegen.cost's FLOPs and HBM bytes."""
@@ -353,7 +358,7 @@ def test_blocks_with_no_work_park_their_reads():
     """Where no query sees anything, every kernel's index maps name one block of each operand they park
     (``_operands.park``: block 0's) at every step of a batch element, so it is fetched once per batch
     element; the model counts those first fetches as none."""
-    name = "tpu_hm_bf16_q256_w2048c512_hcall"
+    name = "tpu_hm_bf16_q256_w2048c512f256_hcall"
     module, the_plan = VARIANTS[name], family().plan(name)
     shape = (2, 32, 600, 128, 2100)  # several q blocks and w tiles
     q, k, weights = support.make_inputs(module.VARIANT, shape, seed=0)
@@ -363,13 +368,13 @@ def test_blocks_with_no_work_park_their_reads():
     )
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, weights)
     x = module.prepare(q, k, weights, nothing, nothing, None)
-    t = cost.tiling(the_plan, shape)
-    kinds = cost.block_kinds(t, np.zeros((2, shape[2])), np.zeros((2, shape[2])))
+    hidden = np.zeros((2, shape[2])), np.zeros((2, shape[2]))
+    kinds = cost.block_kinds(cost.tiling(the_plan, shape), *hidden)
     assert kinds.q_blocks_with_work == kinds.w_tiles_with_work == 0 < kinds.q_blocks
     parked_seen = 0
     for eqn in support.pallas_calls(jaxpr.jaxpr):
         kernel = the_plan.kernel(support.kernel_name(eqn, name))
-        model = cost.kernel_cost(the_plan, kernel, shape, kinds)
+        model = cost.kernel_cost(the_plan, kernel, shape, hidden)
         prefetch = [getattr(x.ranges, n) for n in kernel.scalar_prefetch]
         for block, bm in zip(kernel.blocks, eqn.params["grid_mapping"].block_mappings):
             if block.name not in kernel.parked_operands():

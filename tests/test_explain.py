@@ -16,7 +16,7 @@ from tests.spec_cases import SPEC_PATH, edited, family
 
 pytestmark = pytest.mark.version_free  # the spec models and the cost model: no JAX version changes them
 
-PRODUCTION = "tpu_hm_bf16_q256_w2048c512_hc16"
+PRODUCTION = "tpu_hm_bf16_q256_w2048c512f256_hc16"
 SHAPE = "1,64,8192,128,2048"
 
 
@@ -126,17 +126,21 @@ def test_explain_json_and_causal(capsys):
     full = {row["kernel"]: row for row in json.loads(capsys.readouterr().out)}
     assert cli.main(args + ["--causal"]) == 0
     causal = {row["kernel"]: row for row in json.loads(capsys.readouterr().out)}
-    # Causal at S = 8192, W = 2048 with 256 x 2048 DMA tiles of four 512-wide compute blocks: q block i
-    # (positions 256i .. 256i + 255) sees blocks [0, 64i + 64) at most and [0, 64i) in every query, so
-    # compute block c has work while 512c < 64i + 64 and is full while 512(c + 1) <= 64i: over i < 32,
-    # 80 of the 128 blocks have work (0.625), 48 full, 32 partial, 48 empty; the one tile of each q
-    # block has work (block 0): 32 of 32; so has every q block, and the one w tile. The forward's pieces
-    # cover q block i's visible blocks to whole lane groups: 128 ceil((i + 1) / 2) of its 2048 columns,
-    # 34,816 of 65,536 (272 of 512 lane groups).
-    blocks = {"empty": 48, "full": 48, "partial": 32, "tiles_with_work": 32, "tiles": 32, "q_blocks": 32,
-              "q_blocks_with_work": 32, "w_tiles": 1, "w_tiles_with_work": 1, "visible_columns": 34816,
-              "columns": 65536}  # fmt: skip
-    share = {"forward": (272, 512), "dq_dk": (80, 128)}  # of the unmasked work
+    # Causal at S = 8192, W = 2048 with 256 x 2048 DMA tiles, computed in 512-wide blocks by the forward
+    # and 256-wide ones by the backward: q block i (positions 256i .. 256i + 255) sees blocks
+    # [0, 64i + 64) at most and [0, 64i) in every query, so a compute block c of width n has work while
+    # nc < 64i + 64 and is full while n(c + 1) <= 64i: over i < 32, at 512 80 of the 128 blocks have
+    # work, 48 full, 32 partial, 48 empty; at 256 144 of 256 (0.5625), 112 full, 32 partial, 112 empty.
+    # The one tile of each q block has work (block 0): 32 of 32; so has every q block, and the one w
+    # tile. The forward's pieces cover q block i's visible blocks to whole lane groups:
+    # 128 ceil((i + 1) / 2) of its 2048 columns, 34,816 of 65,536 (272 of 512 lane groups).
+    tiles = {"tiles_with_work": 32, "tiles": 32, "q_blocks": 32, "q_blocks_with_work": 32, "w_tiles": 1,
+             "w_tiles_with_work": 1, "visible_columns": 34816, "columns": 65536}  # fmt: skip
+    blocks = {
+        "forward": {"empty": 48, "full": 48, "partial": 32, **tiles},
+        "dq_dk": {"empty": 112, "full": 112, "partial": 32, **tiles},
+    }
+    share = {"forward": (272, 512), "dq_dk": (144, 256)}  # of the unmasked work
     # dq_dk finishes dq/dweights once per q block and head chunk, mask or not: on B*S*H*D entries, the
     # one-hot broadcast of a chunk's 16 heads' weights (2 * 16 MXU FLOPs each) and 4 elementwise operations.
     entries = 8192 * 64 * 128
@@ -144,7 +148,7 @@ def test_explain_json_and_causal(capsys):
     assert set(full) == set(causal) == set(finish)
     for kernel in finish:
         mxu, vpu = finish[kernel]
-        assert causal[kernel]["compute_blocks"] == blocks
+        assert causal[kernel]["compute_blocks"] == blocks[kernel]
         done, of = share[kernel]
         assert causal[kernel]["mxu_flops"] - mxu == (full[kernel]["mxu_flops"] - mxu) * done // of
         if not mxu:

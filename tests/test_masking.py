@@ -70,7 +70,8 @@ def test_masked_forward_top_k_gradients_and_skipped_tiles(module):
     q, k, weights = support.make_inputs(variant, MASKED_SHAPE, seed=23)
     kv_start, kv_end = support.mask_batch(seq_len, num_blocks, seed=24)
     block_q, block_w = module.tiles(seq_len, num_blocks)
-    compute_w = min(module.COMPUTE_W, block_w)  # a tile of one compute block shrinks with it
+    # blocks both passes skip (a tile of one compute block shrinks its width with it)
+    compute_w = min(max(module.COMPUTE_W, module.FUSED_COMPUTE_W), block_w)
     skippable = _skippable_tiles(kv_start, kv_end, block_q, compute_w, -(-num_blocks // compute_w))
     assert skippable.any(), "the masks should leave some compute block to skip"
     if compute_w < block_w:  # some skipped compute block lies in a DMA tile that has work
@@ -120,12 +121,14 @@ def test_queries_that_see_nothing(module):
 
 
 def _one_per_tiling(seq_len, num_blocks):
-    """One variant per distinct (block_q, block_w, compute_w) at this problem size: ``tile_ranges`` and
-    ``block_kind`` are the shared runtime's, and depend on nothing else of a variant."""
+    """One variant per distinct (block_q, block_w, compute_w, fused_compute_w) at this problem size:
+    ``tile_ranges`` and ``block_kind`` are the shared runtime's, and depend on nothing else of a variant."""
     chosen = {}
     for name in sorted(VARIANTS):
         module = VARIANTS[name]
-        chosen.setdefault((*module.tiles(seq_len, num_blocks), module.COMPUTE_W), name)
+        chosen.setdefault(
+            (*module.tiles(seq_len, num_blocks), module.COMPUTE_W, module.FUSED_COMPUTE_W), name
+        )
     return sorted(chosen.values())
 
 
@@ -160,6 +163,7 @@ class _Visibility(NamedTuple):
     block_q: int
     block_w: int
     compute_w: int
+    fused_compute_w: int
     blocks_pad: int
     ranges: object  # the call's tile_ranges
     seen: np.ndarray  # bool [B, S_pad, W_pad]: query s may see compressed block w
@@ -167,7 +171,7 @@ class _Visibility(NamedTuple):
 
 def _visibility(name, causal, seed, seq_len=300, num_blocks=700):
     """A call of variant ``name`` at S x W under causal CSA or random ranges (``seed``): its tiling
-    (a tile of one compute block shrinks its compute width with it), its scalar-prefetch ranges, and
+    (a tile of one compute block shrinks its compute widths with it), its scalar-prefetch ranges, and
     the [S, W] visibility matrix, padded as the kernels pad."""
     module = VARIANTS[name]
     if causal:
@@ -180,33 +184,38 @@ def _visibility(name, causal, seed, seq_len=300, num_blocks=700):
     ranges = tile_ranges(pad(kv_start), pad(kv_end), block_q, block_w, blocks_pad // block_w)
     columns = np.arange(blocks_pad)
     seen = (np.asarray(pad(kv_start))[..., None] <= columns) & (columns < np.asarray(pad(kv_end))[..., None])
-    return _Visibility(kv_start, kv_end, seq_len, num_blocks, block_q, block_w,
-                       min(module.COMPUTE_W, block_w), blocks_pad, ranges, seen)  # fmt: skip
+    return _Visibility(kv_start, kv_end, seq_len, num_blocks, block_q, block_w, min(module.COMPUTE_W, block_w),
+                       min(module.FUSED_COMPUTE_W, block_w), blocks_pad, ranges, seen)  # fmt: skip
 
 
 @pytest.mark.parametrize("name", _one_per_tiling(300, 700))
 @pytest.mark.parametrize("causal", [False, True], ids=["random_ranges", "causal"])
 def test_compute_block_kinds_match_brute_force(name, causal):
     """Every (q block, compute block) the kernels call full is fully visible and every one they call
-    empty is invisible, against the [S, W] visibility matrix; under a causal mask (contiguous ranges)
-    the kernels call empty exactly the invisible ones, so no compute block with no work runs."""
+    empty is invisible, against the [S, W] visibility matrix, at each compute width the variant's
+    kernels step by; under a causal mask (contiguous ranges) the kernels call empty exactly the
+    invisible ones, so no compute block with no work runs."""
     v = _visibility(name, causal, seed=28)
-    seq_len, block_q, compute_w, blocks_pad = v.seq_len, v.block_q, v.compute_w, v.blocks_pad
+    seq_len, block_q, blocks_pad = v.seq_len, v.block_q, v.blocks_pad
     bounds = [
         np.asarray(x)[:, None] for x in (v.ranges.any_lo, v.ranges.any_hi, v.ranges.all_lo, v.ranges.all_hi)
     ]
-    lo = np.arange(0, blocks_pad, compute_w)[None]
-    empty, full = (np.asarray(x) for x in block_kind(*bounds, lo, lo + compute_w))
-    seen = v.seen.reshape(-1, block_q, blocks_pad // compute_w, compute_w)
-    truly_empty, truly_full = ~seen.any(axis=(1, 3)), seen.all(axis=(1, 3))
-    assert np.array_equal(full, truly_full)
-    assert not (empty & ~truly_empty).any()
-    if causal:
-        assert np.array_equal(empty, truly_empty)
-        assert (~empty & ~full).any()
-        assert empty.any() == (blocks_pad > compute_w)  # S = 300 sees up to 300 blocks
-        # query s sees s + 1 blocks: a whole compute block is visible to a q block only below S
-        assert full.any() == (compute_w < seq_len)
+    for compute_w in sorted({v.compute_w, v.fused_compute_w}):
+        lo = np.arange(0, blocks_pad, compute_w)[None]
+        empty, full = (np.asarray(x) for x in block_kind(*bounds, lo, lo + compute_w))
+        seen = v.seen.reshape(-1, block_q, blocks_pad // compute_w, compute_w)
+        truly_empty, truly_full = ~seen.any(axis=(1, 3)), seen.all(axis=(1, 3))
+        assert np.array_equal(full, truly_full), compute_w
+        assert not (empty & ~truly_empty).any(), compute_w
+        if causal:
+            assert np.array_equal(empty, truly_empty), compute_w
+            assert (~empty & ~full).any(), compute_w
+            assert empty.any() == (blocks_pad > compute_w)  # S = 300 sees up to 300 blocks
+            # query s sees s + 1 blocks: a compute block is full for a q block whose first query sees
+            # compute_w blocks and which has no padded rows (they see none)
+            assert full.any() == any(
+                i * block_q + 1 >= compute_w for i in range(seq_len // block_q)
+            ), compute_w
 
 
 @pytest.mark.parametrize("name", _one_per_tiling(300, 700))
@@ -310,7 +319,7 @@ def test_scalar_prefetch_stays_far_below_smem_at_the_largest_context():
     """At 1M tokens (S = 1048576, W = 262144, the largest context docs/design.md claims), the
     production tiling's scalar-prefetch arrays, every kernel's together, fill under a fifth of SMEM's
     1 MiB: no table per (q block, compute block), a few int32 per q block and per w tile."""
-    module = VARIANTS["tpu_hm_bf16_q256_w2048c512_hc16"]
+    module = VARIANTS["tpu_hm_bf16_q256_w2048c512f256_hc16"]
     seq_len, num_blocks = 2**20, 2**18
     kv_start, kv_end = causal_kv_range(jnp.arange(seq_len)[None], 4)
     block_q, block_w = module.tiles(seq_len, num_blocks)

@@ -56,7 +56,7 @@ def _gathered(dense, indices):
 
 # The dense route (the score of every block, the selected ones taken from it), for a float8 and a
 # bfloat16 variant of each q layout: the same reference, the same tolerances.
-DENSE_ROUTE = ("tpu_sm_fp8_q256_w2048c512_hc16", "tpu_hm_bf16_q256_w2048c512_hcall")
+DENSE_ROUTE = ("tpu_sm_fp8_q256_w2048c512f256_hc16", "tpu_hm_bf16_q256_w2048c512f256_hcall")
 
 
 @pytest.mark.chip
@@ -192,7 +192,7 @@ def test_sparse_score_and_indexer_loss_lower_for_tpu(sparse_module):
 
 
 def test_sparse_score_checks_indices_and_takes_k_in_windows_past_vmem():
-    module = VARIANTS["tpu_sm_bf16_q256_w2048c512_hc16"]
+    module = VARIANTS["tpu_sm_bf16_q256_w2048c512f256_hc16"]
     q, k, weights = support.make_inputs(module.VARIANT, (1, 16, 8, 128, 64), seed=0)
     with pytest.raises(ValueError, match="indices must be an integer array"):
         module.sparse_score(q, k, weights, jnp.zeros((1, 8, 4), jnp.float32))
@@ -222,7 +222,7 @@ def test_route_auto_takes_the_sparse_kernels():
     the slots, was the slower at every W / top_k timed on a v5e); ``"dense"``: the dense forward and
     no sparse kernel; a route that is none of the three is a ValueError before tracing."""
     assert [_helpers.sparse_route(r) for r in ("auto", "dense", "sparse")] == ["sparse", "dense", "sparse"]
-    module = VARIANTS["tpu_hm_bf16_q256_w2048c512_hcall"]
+    module = VARIANTS["tpu_hm_bf16_q256_w2048c512f256_hcall"]
     q, k, weights = support.make_inputs(module.VARIANT, (1, 16, 8, 128, 64), seed=0)
     name = module.VARIANT["name"]
 
@@ -276,7 +276,7 @@ def test_topk_indices_is_a_stable_sort(top_k):
 
 
 def test_indexer_loss_checks_target_before_anything_runs(monkeypatch):
-    module = VARIANTS["tpu_sm_bf16_q256_w2048c512_hc16"]
+    module = VARIANTS["tpu_sm_bf16_q256_w2048c512f256_hc16"]
     q, k, weights = support.make_inputs(module.VARIANT, (1, 16, 8, 128, 64), seed=0)
     indices = jnp.zeros((1, 8, 4), jnp.int32)
     ran = []
@@ -331,7 +331,12 @@ def _direct_loss(logits, target, in_set):
 
 @pytest.mark.chip
 @pytest.mark.parametrize(
-    "name", ["tpu_hm_f32_q16_w128_hcall", "tpu_sm_bf16_q256_w2048c512_hc16", "tpu_sm_fp8_q256_w2048c512_hc16"]
+    "name",
+    [
+        "tpu_hm_f32_q16_w128_hcall",
+        "tpu_sm_bf16_q256_w2048c512f256_hc16",
+        "tpu_sm_fp8_q256_w2048c512f256_hc16",
+    ],
 )
 def test_indexer_loss_matches_a_direct_computation(name):
     module = VARIANTS[name]
@@ -441,8 +446,8 @@ def test_indexer_loss_of_nothing_is_zero_not_nan():
 
 # (variant, B,H,S,D,W, top_k): top_k/W = 1/4 and 1/16 at the production tiling.
 WORK_CASES = [
-    ("tpu_sm_bf16_q256_w2048c512_hc16", (1, 16, 64, 64, 512), 128, 0.35),
-    ("tpu_sm_bf16_q256_w2048c512_hc16", (1, 16, 64, 64, 512), 32, 0.1),
+    ("tpu_sm_bf16_q256_w2048c512f256_hc16", (1, 16, 64, 64, 512), 128, 0.35),
+    ("tpu_sm_bf16_q256_w2048c512f256_hc16", (1, 16, 64, 64, 512), 32, 0.1),
 ]
 
 _MEASURE = """
@@ -503,7 +508,7 @@ def test_sparse_gradient_executes_mxu_work_in_proportion_to_top_k():
 def test_sparse_score_is_deterministic():
     """The forward and every gradient, run twice, are equal bit for bit (the dk rows are added in slot
     order, duplicates included), and topk_indices of equal scores is the same selection."""
-    module = VARIANTS["tpu_sm_fp8_q256_w2048c512_hc16"]
+    module = VARIANTS["tpu_sm_fp8_q256_w2048c512f256_hc16"]
     q, k, weights = support.make_inputs(module.VARIANT, (1, 16, 9, 32, 20), seed=9)
     k_scale = support.key_scale(module.VARIANT, k)["k_scale"]
     indices = _indices(1, 9, 20, 6, seed=10)

@@ -60,6 +60,14 @@ CASES = {
         _set("tilings.prod.compute_w", 64),
         ["tilings.prod.compute_w = 64", "multiple of 128 on TPU"],
     ),
+    "fused_compute_w_not_dividing_block_w": (
+        _set("tilings.prod.fused_compute_w", 384),
+        ["tilings.prod.fused_compute_w = 384", "must divide block_w = 2048"],
+    ),
+    "fused_compute_w_not_lane_multiple": (
+        _set("tilings.prod.fused_compute_w", 64),
+        ["tilings.prod.fused_compute_w = 64", "multiple of 128 on TPU"],
+    ),
     "block_q_not_sublane_multiple": (
         _set("tilings.prod.block_q", 100),
         ["tilings.prod.block_q = 100", "multiple of 8 on TPU"],
@@ -216,9 +224,9 @@ def test_shipped_spec_is_valid_and_covers_the_required_axes():
 def test_names_are_stable_and_readable():
     spec = load.parse(edited(lambda d: None), "spec.yaml")
     names = [v.name for v in variants.expand(spec)]
-    assert "tpu_hm_bf16_q256_w2048c512_hc16" in names
+    assert "tpu_hm_bf16_q256_w2048c512f256_hc16" in names
     assert "tpu_sm_f32_q16_w128_hcall" in names
-    assert "tpu_sm_bf16_q256_w2048c512_hc16_refbwd" in names  # the flag appears only when it is on
+    assert "tpu_sm_bf16_q256_w2048c512f256_hc16_refbwd" in names  # the flag appears only when it is on
     assert names == sorted(set(names))
 
 
@@ -227,16 +235,28 @@ def test_a_tiling_that_differs_only_in_compute_w_renders_under_its_own_name():
         data["tilings"]["one"] = {"block_q": 128, "block_w": 1024}
         data["tilings"]["four"] = {"block_q": 128, "block_w": 1024, "compute_w": 256}
         data["tilings"]["same"] = {"block_q": 128, "block_w": 1024, "compute_w": 1024}
-        data["variants"]["matrix"]["tiling"] += ["one", "four"]
+        data["tilings"]["fused"] = {"block_q": 128, "block_w": 1024, "compute_w": 512, "fused_compute_w": 256}
+        data["tilings"]["fusedsame"] = {
+            "block_q": 128,
+            "block_w": 1024,
+            "compute_w": 256,
+            "fused_compute_w": 256,
+        }
+        data["variants"]["matrix"]["tiling"] += ["one", "four", "fused"]
 
     found = {v.name: v for v in pipeline.build(load.parse(edited(edit), "spec.yaml")).variants}
     # one compute block per tile (the default, or compute_w == block_w) is what a name leaves out
     assert found["tpu_hm_bf16_q128_w1024_hc16"].compute_w == 1024
     assert found["tpu_hm_bf16_q128_w1024c256_hc16"].compute_w == 256
     assert found["tpu_hm_bf16_q128_w1024c256_hc16"].tiles.compute_w == 256
-    assert found["tpu_hm_bf16_q256_w2048c512_hc16"].compute_w == 512  # production: two per tile
+    assert found["tpu_hm_bf16_q256_w2048c512f256_hc16"].compute_w == 512  # production: four per tile
+    # the fused backward's own width shows after it, unless it is compute_w's (the default)
+    assert found["tpu_hm_bf16_q128_w1024c512f256_hc16"].fused_compute_w == 256
+    assert found["tpu_hm_bf16_q128_w1024c256_hc16"].fused_compute_w == 256
+    assert found["tpu_hm_bf16_q128_w1024_hc16"].fused_compute_w == 1024
     spec = load.parse(edited(edit), "spec.yaml")
     assert spec.tilings["same"].name_part() == spec.tilings["one"].name_part() == "q128_w1024"
+    assert spec.tilings["fusedsame"].name_part() == spec.tilings["four"].name_part() == "q128_w1024c256"
 
 
 def test_grad_matmul_sets_the_gradient_passes():
@@ -248,13 +268,13 @@ def test_grad_matmul_sets_the_gradient_passes():
 
     shipped_plans = pipeline.build(load.parse(edited(lambda d: None), "spec.yaml"))
     one_pass = pipeline.build(load.parse(edited(edit), "spec.yaml"))
-    name = "tpu_hm_bf16_q256_w2048c512_hcall"
+    name = "tpu_hm_bf16_q256_w2048c512f256_hcall"
     split, rounded = shipped_plans.plan(name), one_pass.plan(name)
     assert (split.grad_matmul, rounded.grad_matmul) == ("split", "bf16")
     assert split.exact_cotangent and rounded.exact_cotangent
     assert split.kernel("dk").work.mxu_passes == 3 and rounded.kernel("dk").work.mxu_passes == 2
     assert split.kernel("dq_dweights").work.mxu_passes == rounded.kernel("dq_dweights").work.mxu_passes == 2
-    fp8 = shipped_plans.plan("tpu_sm_fp8_q256_w2048c512_hc16")  # a key scale: the cotangent is not exact
+    fp8 = shipped_plans.plan("tpu_sm_fp8_q256_w2048c512f256_hc16")  # a key scale: the cotangent is not exact
     assert not fp8.exact_cotangent and fp8.kernel("dq_dweights").work.mxu_passes == 3
     assert (split.cotangent_parts, rounded.cotangent_parts, fp8.cotangent_parts) == (1, 1, 2)
     assert shipped_plans.plan("tpu_hm_f32_q128_w1024c512_hcall").grad_matmul == "plain"
@@ -266,7 +286,7 @@ def test_two_variants_of_one_name_are_an_error_naming_both():
         data["variants"]["matrix"]["tiling"].append("prod2")
 
     message = _problems(edited(edit))
-    assert "variants.matrix = 'tpu_hm_bf16_q256_w2048c512_hc16'" in message
+    assert "variants.matrix = 'tpu_hm_bf16_q256_w2048c512f256_hc16'" in message
     assert "tiling prod and tiling prod2" in message
 
 

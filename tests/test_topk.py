@@ -24,7 +24,7 @@ from generated.csa_v4 import _topk as topk_module
 from tests import support
 
 SMALL = sorted(n for n in VARIANTS if "_q16_w128_" in n and not n.endswith("refbwd"))
-FP8 = "tpu_sm_fp8_q256_w2048c512_hc16"
+FP8 = "tpu_sm_fp8_q256_w2048c512f256_hc16"
 # On the chip: one variant per q layout and dtype kind (float32, bfloat16, float8 with its scales).
 ON_CHIP = {"tpu_hm_f32_q16_w128_hcall", "tpu_sm_bf16_q16_w128_hc16", FP8}
 
@@ -117,7 +117,7 @@ def test_score_topk_selects_chunks_scored_transposed(top_k):
     each chunk's score transposed, [B, W, chunk], and the selection kernel takes it as it stands: no
     XLA transpose of the score (nor of the selection: the kernel writes [rows, top_k]), and the
     selection is the dense one bit for bit, over four batch rows and two chunks."""
-    module = VARIANTS["tpu_hm_bf16_q256_w2048c512_hcall"]
+    module = VARIANTS["tpu_hm_bf16_q256_w2048c512f256_hcall"]
     shape = (4, 4, 512, 128, 300)  # two chunks of 256 queries, one q block each
     q, k, weights = support.make_inputs(module.VARIANT, shape, seed=5)
     kv_start, kv_end = support.mask_batch(shape[2], shape[4], seed=6)
@@ -320,7 +320,7 @@ def test_no_score_array_and_no_wide_sort_at_s65536_w16384(gradient):
     and no sort (rows of 16384 blocks fit the in-VMEM selection kernel, which sorts top_k itself; the
     gradient's sparse kernels sort nothing wider than W / 4); the forward's largest array is a query
     chunk's scores ([B, W, chunk], as the forward writes them for the selection kernel)."""
-    name = "tpu_sm_bf16_q256_w2048c512_hc16"
+    name = "tpu_sm_bf16_q256_w2048c512f256_hc16"
     module = VARIANTS[name]
     batch, heads, seq_len, head_dim, num_blocks, top_k = 1, 64, 65536, 128, 16384, 1024
     v = module.VARIANT

@@ -7,7 +7,7 @@ from __future__ import annotations
 from codegen import cli, compiled, load, pipeline, tuning
 from tests.spec_cases import SPEC_PATH, edited, family
 
-PRODUCTION = "tpu_sm_bf16_q256_w2048c512_hcall"
+PRODUCTION = "tpu_sm_bf16_q256_w2048c512f256_hcall"
 
 
 def test_candidates_are_the_variant_at_every_tuning_tiling_and_head_chunk():

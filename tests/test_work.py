@@ -19,23 +19,23 @@ from generated.csa_v4 import VARIANTS
 from tests import support
 from tests.spec_cases import ROOT, family
 
-PRODUCTION = "tpu_hm_bf16_q256_w2048c512_hc16"
+PRODUCTION = "tpu_hm_bf16_q256_w2048c512f256_hc16"
 # Causal CSA (S queries see at most S / 4 blocks) leaves compute blocks with no work: whole w tiles
 # (at the production tiling S = 1024 sees up to 256 of 4096 blocks, so the second 2048-wide tile of
 # every q block is empty) and compute blocks inside the first.
 SHAPES = {
     "tpu_hm_bf16_q16_w128_hc16": (1, 16, 64, 64, 256),
     "tpu_sm_f32_q16_w128_hcall": (1, 16, 64, 64, 256),
-    "tpu_sm_fp8_q256_w2048c512_hc16": (1, 16, 256, 64, 2048),
+    "tpu_sm_fp8_q256_w2048c512f256_hc16": (1, 16, 256, 64, 2048),
     PRODUCTION: (1, 16, 1024, 8, 4096),
 }
 
 
-def _model(name, shape, kinds):
+def _model(name, shape, bounds):
     """MXU FLOPs of the forward and of forward + gradient (grad runs the forward too), from the plan."""
     the_plan = family().plan(name)
     calls = cost.call_kernels(the_plan, shape)  # the forward, and the backward kernels this W takes
-    flops = {k.name: cost.kernel_cost(the_plan, k, shape, kinds).mxu_flops for k in calls}
+    flops = {k.name: cost.kernel_cost(the_plan, k, shape, bounds).mxu_flops for k in calls}
     return {"forward": flops["forward"], "gradient": sum(flops.values())}
 
 
@@ -63,25 +63,26 @@ def test_executed_mxu_work_is_the_plans_work_model():
         assert executed[name]["unmasked"] == _model(name, shape, None), name
         kinds = cost.causal_kinds(t, rate)
         assert kinds.empty and kinds.work, name  # the mask must leave blocks to skip, or this checks nothing
-        assert executed[name]["causal"] == _model(name, shape, kinds), name
-    # The production tiling skips whole tiles no query sees, and compute blocks inside tiles with work.
-    t = cost.tiling(family().plan(PRODUCTION), SHAPES[PRODUCTION])
+        assert executed[name]["causal"] == _model(name, shape, cost.causal_bounds(t.shape, rate)), name
+    # The production tiling's backward skips whole tiles no query sees, and compute blocks inside tiles
+    # with work.
+    the_plan = family().plan(PRODUCTION)
+    t = cost.tiling(the_plan, SHAPES[PRODUCTION], the_plan.kernel("dk"))
     kinds = cost.causal_kinds(t, rate)
     assert kinds.empty > t.block_w // t.compute_w * (kinds.tiles - kinds.tiles_with_work) > 0
 
 
 @pytest.mark.version_free
-def test_causal_prefill_at_the_production_tiling_leaves_five_eighths_of_the_backward_work():
+def test_causal_prefill_at_the_production_tiling_leaves_nine_sixteenths_of_the_backward_work():
     """DeepSeek-V4 prefill, S = 8192, W = 2048, causal: the executed-work model (held to the executed
     count above) against the same call unmasked, per pass, for the production tiling. Its 256 x 2048
-    tiles are four 512-wide compute blocks each (the compiler's pick: docs/performance.md, "Tilings
-    ranked by the compiler"): q block i sees 64 (i + 1) blocks, so the backward has work in
-    ceil((i + 1) / 8) of its 4 compute blocks, 80 of 128, and the forward's pieces cover
-    ceil((i + 1) / 2) of its 16 lane groups, 272 of 512."""
+    tiles are eight 256-wide compute blocks each in the backward (docs/performance.md, "A width per
+    pass"): q block i sees 64 (i + 1) blocks, so the backward has work in ceil((i + 1) / 4) of its 8
+    compute blocks, 144 of 256, and the forward's pieces cover ceil((i + 1) / 2) of its 16 lane groups,
+    272 of 512."""
     shape = (1, 64, 8192, 128, 2048)
-    the_plan = family().plan(PRODUCTION)
-    kinds = cost.causal_kinds(cost.tiling(the_plan, shape), family().spec.computation.compress_rate)
-    masked, unmasked = _model(PRODUCTION, shape, kinds), _model(PRODUCTION, shape, None)
+    bounds = cost.causal_bounds(cost.Shape(*shape), family().spec.computation.compress_rate)
+    masked, unmasked = _model(PRODUCTION, shape, bounds), _model(PRODUCTION, shape, None)
     # dq/dweights' finish runs once per q block and head chunk, mask or not: B*S*H*D entries, one-hot
     # broadcast of the chunk's 16 heads' weights (2 * 16 FLOPs each)
     finish = 8192 * 64 * 128 * 2 * 16
@@ -89,7 +90,7 @@ def test_causal_prefill_at_the_production_tiling_leaves_five_eighths_of_the_back
         unmasked["gradient"] - unmasked["forward"] - finish
     )
     assert np.isclose(masked["forward"] / unmasked["forward"], 272 / 512), masked
-    assert np.isclose(backward, 80 / 128), backward
+    assert np.isclose(backward, 144 / 256), backward
 
 
 @pytest.mark.parametrize("name", sorted(n for n, m in VARIANTS.items() if m.VARIANT["backward"] == "fused"))

@@ -46,8 +46,13 @@ class Config(NamedTuple):
 
     @property
     def compute_w(self):
-        """Compressed blocks per compute step: the granule of skipping and masking."""
+        """Compressed blocks per compute step: the forward's pieces, the split backward's blocks."""
         return self.variant["compute_w"]
+
+    @property
+    def fused_compute_w(self):
+        """The fused backward kernel's compressed blocks per compute step (dq_dk's)."""
+        return self.variant["fused_compute_w"]
 
     @property
     def head_major(self):
@@ -117,7 +122,6 @@ class Operands(NamedTuple):
     blocks_pad: int  # W rounded up to whole w tiles
     block_q: int
     block_w: int
-    compute_w: int  # compressed blocks per compute step inside a block_w tile
     heads: int  # heads per grid step
     # None, or int32 [1]: the q block of ``q`` at which this call's queries start. ``q`` then holds more
     # queries than the call scores and is read in place (``score_topk``'s chunks: no slice of q copied).
@@ -158,7 +162,12 @@ def prepare(cfg, q, k, weights, kv_start, kv_end, k_scale, q_at=None):
     batch, seq_len, num_heads = weights.shape
     head_dim, num_blocks = k.shape[2], k.shape[1]
     block_q, block_w = _geometry.tiles(
-        seq_len, num_blocks, variant["block_q"], variant["block_w"], cfg.compute_w, cfg.sublanes
+        seq_len,
+        num_blocks,
+        variant["block_q"],
+        variant["block_w"],
+        (cfg.compute_w, cfg.fused_compute_w),
+        cfg.sublanes,
     )
     seq_pad, blocks_pad = _geometry.round_up(seq_len, block_q), _geometry.round_up(num_blocks, block_w)
     if q_at is not None:
@@ -180,7 +189,6 @@ def prepare(cfg, q, k, weights, kv_start, kv_end, k_scale, q_at=None):
     return Operands(
         q, pad_to(k, 1, blocks_pad), weights, bounds, k_scale, ranges,
         batch, num_heads, seq_len, num_blocks, head_dim, seq_pad, blocks_pad, block_q, block_w,
-        _geometry.call_compute_w(block_w, cfg.compute_w),
         chunk,
         q_at,
     )  # fmt: skip
