@@ -515,8 +515,8 @@ class Bench:
                      lambda: p.flops(p.selected, 5), (*args, abstract))  # fmt: skip
 
 
-def ranking(saved: dict, variant: str, tilings: dict[str, tuple[int, int, int]]) -> str:
-    """A ``--rank`` run's candidates (``tilings``: name -> block_q, block_w, compute_w), fastest
+def ranking(saved: dict, variant: str, tilings: dict[str, str]) -> str:
+    """A ``--rank`` run's candidates (``tilings``: name -> its tiling's ``shape_text``), fastest
     ``RANK_BY`` first, as markdown, a column per case the run timed (``--cases`` may add to
     ``RANK_CASES``); a candidate with no time (it failed, or did not fit) last."""
     by = {}
@@ -538,8 +538,7 @@ def ranking(saved: dict, variant: str, tilings: dict[str, tuple[int, int, int]])
         times = by.get(name, {})
         cells = [f"{times[c]:.3f}" if times.get(c) else "-" for c in columns]
         ratio = f"{times[RANK_BY] / best:.2f}" if times.get(RANK_BY) and best else "-"
-        q, w, c = tilings[name]
-        lines.append(f"| {n} | {name} | {q} x {w} / {c} | " + " | ".join(cells) + f" | {ratio} |")
+        lines.append(f"| {n} | {name} | {tilings[name]} | " + " | ".join(cells) + f" | {ratio} |")
     return "\n".join(lines) + "\n"
 
 

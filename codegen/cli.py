@@ -542,11 +542,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.rank:
         tilings = {plan.name: family.spec.tilings[plan.variant.tiling] for plan in candidates.plans}
         print()
-        print(
-            bench.ranking(
-                saved, args.rank, {n: (t.block_q, t.block_w, t.compute_width) for n, t in tilings.items()}
-            )
-        )
+        print(bench.ranking(saved, args.rank, {n: t.shape_text() for n, t in tilings.items()}))
     return EXIT_OK
 
 

@@ -113,6 +113,14 @@ class Tiling(StrictModel):
             "fused_compute_w": self.fused_compute_width,
         }
 
+    def shape_text(self) -> str:
+        """The tiling in rankings: ``block_q x block_w / compute_w``, and the fused backward's width where
+        it differs."""
+        text = f"{self.block_q} x {self.block_w} / {self.compute_width}"
+        return text + (
+            f", dq_dk {self.fused_compute_width}" if self.fused_compute_width != self.compute_width else ""
+        )
+
     def name_part(self) -> str:
         """How a variant name shows this tiling (see the class docstring)."""
         resolved = self.resolved()

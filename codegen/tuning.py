@@ -152,7 +152,7 @@ def table(
         for n, r in enumerate(mine, 1):
             t = family.spec.tilings[r.tiling]
             mark = "*" if (r.tiling, r.head_chunk) == (own.tiling, own.head_chunk) else ""
-            shape_text = f"{t.block_q} x {t.block_w} / {t.compute_width}"
+            shape_text = t.shape_text()
             chunk = str(r.head_chunk or "all")
             if r.error:
                 lines.append([chip, "-", r.tiling + mark, shape_text, chunk, f"DOES NOT COMPILE: {r.error}"])

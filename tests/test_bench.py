@@ -70,7 +70,7 @@ def test_ranking_puts_the_fastest_forward_and_gradient_first():
     """``--rank``'s table: candidates by their causal forward + gradient, a ratio to the best, one that
     has no time (it did not fit) last, with dashes."""
     saved = _saved()
-    tilings = {"a": (256, 2048, 512), "b": (512, 2048, 256), "c": (256, 2048, 256)}
+    tilings = {"a": "256 x 2048 / 512", "b": "512 x 2048 / 256", "c": "256 x 2048 / 256"}
     timed = {
         ("a", "grad.causal"): 7.0,
         ("a", "score.causal"): 1.4,

@@ -257,6 +257,9 @@ def test_a_tiling_that_differs_only_in_compute_w_renders_under_its_own_name():
     spec = load.parse(edited(edit), "spec.yaml")
     assert spec.tilings["same"].name_part() == spec.tilings["one"].name_part() == "q128_w1024"
     assert spec.tilings["fusedsame"].name_part() == spec.tilings["four"].name_part() == "q128_w1024c256"
+    # rankings show the fused width beside the tiling's where it differs
+    assert spec.tilings["fused"].shape_text() == "128 x 1024 / 512, dq_dk 256"
+    assert spec.tilings["fusedsame"].shape_text() == spec.tilings["four"].shape_text() == "128 x 1024 / 256"
 
 
 def test_grad_matmul_sets_the_gradient_passes():
