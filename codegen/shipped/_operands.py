@@ -14,8 +14,6 @@ from jax.experimental.pallas import tpu as pltpu
 from . import _geometry
 from ._mesh import out_struct
 
-tiles = _geometry.tiles  # a call's (block_q, block_w), shrunk to the problem
-
 
 class Config(NamedTuple):
     """A variant as the shared kernel modules see it: the spec's parameters (its module's ``VARIANT``)
@@ -140,6 +138,15 @@ class Operands(NamedTuple):
         return self.num_heads // self.heads
 
 
+def tiles(cfg, seq_len, num_blocks):
+    """A call's (block_q, block_w): the variant's, shrunk when the problem is smaller than a tile (to
+    whole compute blocks of its forward's and its fused backward's widths)."""
+    widths = (cfg.compute_w, cfg.fused_compute_w)
+    return _geometry.tiles(
+        seq_len, num_blocks, cfg.variant["block_q"], cfg.variant["block_w"], widths, cfg.sublanes
+    )
+
+
 def reads_in_place(variant, seq_len, queries):
     """Whether calls of ``queries`` queries at a time, tiling ``seq_len``, read q in place (``prepare``'s
     ``q_at``): head-major q whose calls start at whole q blocks and pad nothing. (Sequence-major q is
@@ -161,14 +168,7 @@ def prepare(cfg, q, k, weights, kv_start, kv_end, k_scale, q_at=None):
     q, k, weights = q.astype(cfg.dtype("q")), k.astype(cfg.dtype("k")), weights.astype(cfg.dtype("weights"))
     batch, seq_len, num_heads = weights.shape
     head_dim, num_blocks = k.shape[2], k.shape[1]
-    block_q, block_w = _geometry.tiles(
-        seq_len,
-        num_blocks,
-        variant["block_q"],
-        variant["block_w"],
-        (cfg.compute_w, cfg.fused_compute_w),
-        cfg.sublanes,
-    )
+    block_q, block_w = tiles(cfg, seq_len, num_blocks)
     seq_pad, blocks_pad = _geometry.round_up(seq_len, block_q), _geometry.round_up(num_blocks, block_w)
     if q_at is not None:
         q_at = jnp.reshape(q_at // block_q, (1,)).astype(jnp.int32)

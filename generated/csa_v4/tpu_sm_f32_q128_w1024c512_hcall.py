@@ -78,9 +78,7 @@ CONFIG = _operands.Config(  # the kernel plan's facts the shared kernels take fr
 
 def tiles(seq_len, num_blocks):
     """This call's (block_q, block_w): BLOCK_Q x BLOCK_W, shrunk when the problem is smaller than a tile."""
-    return _operands.tiles(
-        seq_len, num_blocks, BLOCK_Q, BLOCK_W, (COMPUTE_W, FUSED_COMPUTE_W), CONFIG.sublanes
-    )
+    return _operands.tiles(CONFIG, seq_len, num_blocks)
 
 
 prepare = functools.partial(_operands.prepare, CONFIG)  # a checked call's operands, padded, with tile ranges
