@@ -12,9 +12,9 @@ dimensions are symbols resolved per call (``block_q``, ``block_w``, ``compute_w`
 None (a squeezed dimension).
 
 A grid step's blocks are one DMA's worth (``block_q x block_w``); inside it every kernel steps
-through ``block_w // compute_w`` compute blocks (of its own width: ``KernelPlan.width``), each classified from four int32 of its q block
-(``codegen/shipped/_geometry.py``) as empty (no work), full or partial; only empty is branched
-on, and every block with work is masked.
+through ``block_w // compute_w`` compute blocks (of its own width: ``KernelPlan.width``), each
+classified from four int32 of its q block (``codegen/shipped/_geometry.py``) as empty (no work),
+full or partial; only empty is branched on, and every block with work is masked.
 """
 
 from __future__ import annotations

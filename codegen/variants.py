@@ -1,7 +1,8 @@
 """Expands a spec's variant matrix (plus include, minus exclude) into concrete, named variants.
 
 A variant's name is its parameters in a fixed order, so the same parameters always give the same
-name and file: ``{backend}_{hm|sm}_{dtype}_q{block_q}_w{block_w}[c{compute_w}][f{fused_compute_w}]_hc{head_chunk|all}`` and
+name and file:
+``{backend}_{hm|sm}_{dtype}_q{block_q}_w{block_w}[c{compute_w}][f{fused_compute_w}]_hc{head_chunk|all}`` and
 a ``_refbwd`` suffix only when the backward is the reference VJP rather than the fused kernels. The
 compute width (and any further tiling field that declares a name tag) shows only when it is not the
 value names leave out (``Tiling.name_part``), so that every name that existed before it was a tiling

@@ -52,7 +52,7 @@ def vmem_limit(need, scoped_default):
 def tiles(seq_len, num_blocks, block_q, block_w, compute_ws, sublanes):
     """A call's (block_q, block_w): the variant's, shrunk when the problem is smaller than a tile (rows
     to the ``sublanes`` granule of the narrowest q-row dtype, columns to whole compute blocks of every
-    width in ``compute_ws``, the forward's and the backward's, which are whole 128-lane groups; a width
+    width in ``compute_ws``, the forward's and the fused backward's, which are whole 128-lane groups; a width
     that is the whole tile shrinks to whole lane groups with it: ``call_compute_w``)."""
     granule = math.lcm(LANES, *(w for w in compute_ws if w < block_w))
     return min(block_q, round_up(seq_len, sublanes)), min(block_w, round_up(num_blocks, granule))
