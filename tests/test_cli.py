@@ -105,7 +105,7 @@ def test_list_shows_every_variant_with_parameters(capsys):
 
 
 def test_diff_of_two_variants_is_a_reviewable_unified_diff(capsys):
-    a, b = "tpu_hm_f32_q256_w2048c512f256_hc16", "tpu_hm_f32_q128_w1024c512_hcall"
+    a, b = "tpu_hm_f32_q256_w2048c512_hc16", "tpu_hm_f32_q128_w1024c512_hcall"
     assert cli.main(["diff", str(SPEC_PATH), a, b]) == 1
     out = capsys.readouterr().out
     assert out.startswith(f"--- {a}.py\n+++ {b}.py\n")
@@ -146,14 +146,14 @@ def test_diff_of_an_unknown_variant_suggests_names(capsys):
             [
                 "diff",
                 str(SPEC_PATH),
-                "tpu_hm_f32_q256_w2048c512f256_hc16",
-                "tpu_hm_f32_q256_w2048c512f256_hc8",
+                "tpu_hm_f32_q256_w2048c512_hc16",
+                "tpu_hm_f32_q256_w2048c512_hc8",
             ]
         )
         == 2
     )
     err = capsys.readouterr().err
-    assert "no variant named 'tpu_hm_f32_q256_w2048c512f256_hc8'" in err and "did you mean" in err
+    assert "no variant named 'tpu_hm_f32_q256_w2048c512_hc8'" in err and "did you mean" in err
 
 
 @pytest.mark.parametrize("command", [[], ["render"], ["list"], ["diff"], ["explain"]])

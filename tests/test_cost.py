@@ -270,7 +270,7 @@ def test_roofline():
     assert fwd.intensity() == pytest.approx((2**38 + vpu) / 202440704)
     # f32 inputs run at 1/6 of the bf16 rate.
     [f32_fwd, *_] = cost.variant_costs(
-        family().plan("tpu_hm_f32_q256_w2048c512f256_hc16"), (1, 64, 8192, 128, 2048)
+        family().plan("tpu_hm_f32_q256_w2048c512_hc16"), (1, 64, 8192, 128, 2048)
     )
     assert f32_fwd.compute_seconds(v6e) == pytest.approx(2**38 * 6 / 920e12 + vpu / 920e12)
 
