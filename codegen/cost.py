@@ -269,6 +269,7 @@ class KernelCost:
     vpu_ops: int  # executed elementwise operations
     useful_flops: int  # unpadded, the matmuls the math needs, plus the elementwise work
     mxu_itemsize: int  # the type the MXU multiplies in: picks the chip's matmul rate
+    kinds: BlockKinds  # the call's compute blocks (at the kernel's width) and tiles, as counted here
 
     @property
     def hbm_bytes(self) -> int:
@@ -371,6 +372,7 @@ def kernel_cost(
         + finished * work.finish_vpu_ops,
         useful_flops=useful_entries * (2 * p.head_dim * work.useful_passes + work.vpu_ops),
         mxu_itemsize=plan.mxu_itemsize,
+        kinds=kinds,
     )
 
 

@@ -43,9 +43,8 @@ def explain(
     bounds = cost.causal_bounds(cost.Shape(*shape), compress_rate) if causal else None
     rows = []
     for kernel in cost.call_kernels(plan, shape):
-        t = cost.tiling(plan, shape, kernel)  # of the kernel's compute width
-        shown = cost.unmasked_kinds(t) if bounds is None else cost.block_kinds(t, *bounds)
         k = cost.kernel_cost(plan, kernel, shape, bounds)
+        shown, block_w = k.kinds, cost.tiling(plan, shape, kernel).block_w
         unmasked = cost.kernel_cost(plan, kernel, shape)
         rows.append(
             Row(
@@ -60,7 +59,7 @@ def explain(
                 mxu_flops=k.mxu_flops,
                 vpu_ops=k.vpu_ops,
                 mxu_vs_unmasked=k.mxu_flops / unmasked.mxu_flops,
-                compute_blocks=dict(dataclasses.asdict(shown), columns=shown.tiles * t.block_w),
+                compute_blocks=dict(dataclasses.asdict(shown), columns=shown.tiles * block_w),
                 intensity=k.intensity(),
                 roofline_us=k.roofline_seconds(chip) * 1e6,
                 bound=k.bound(chip),
