@@ -65,9 +65,7 @@ class Tiling:
             "compute_w": self.compute_w,
             "head_dim": self.shape.head_dim,
             "heads": self.heads,
-            "heads_x_dim": self.heads * self.shape.head_dim,
             "num_heads": self.shape.num_heads,
-            "num_heads_x_dim": self.shape.num_heads * self.shape.head_dim,
             "num_chunks": self.shape.num_heads // self.heads,
             "grad_heads": min(self.heads, geometry.GRAD_HEAD_GROUP),
         }

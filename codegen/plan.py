@@ -8,8 +8,7 @@ kernel signatures from it; ``cost`` counts bytes and FLOPs from it; ``budget`` s
 
 Grid axes are single letters: ``b`` batch, ``i`` q block, ``j`` w block, ``c`` head chunk. Block
 dimensions are symbols resolved per call (``block_q``, ``block_w``, ``compute_w``, ``head_dim``,
-``heads``: heads per grid step, ``heads_x_dim``: their lanes in a sequence-major q row), integers, or
-None (a squeezed dimension).
+``heads``: heads per grid step, ``num_heads``: all of them), integers, or None (a squeezed dimension).
 
 A grid step's blocks are one DMA's worth (``block_q x block_w``); inside it every kernel steps
 through ``block_w // compute_w`` compute blocks (of its own width: ``KernelPlan.width``), each
@@ -236,8 +235,8 @@ def _blocks(variant: Variant) -> dict[str, Block]:
     chunked = variant.head_chunk > 0
     if variant.head_major:
         q = Block("q", (None, "heads", "block_q", "head_dim"), ("b", "c", "i", 0), policy.qk)
-    else:  # [B, S, H * D]: a head chunk is a group of lanes
-        q = Block("q", (None, "block_q", "heads_x_dim"), ("b", "i", "c"), policy.qk)
+    else:  # [B, S, H, D] as it lies in HBM: a head chunk is a slice of the sublanes of each query's [H, D]
+        q = Block("q", (None, "block_q", "heads", "head_dim"), ("b", "i", "c", 0), policy.qk)
     if chunked:  # [B, H // chunk, S, chunk]: one full-width block per chunk
         weights = Block("weights", (None, None, "block_q", "heads"), ("b", "c", "i", 0), policy.weights)
     else:
@@ -247,7 +246,9 @@ def _blocks(variant: Variant) -> dict[str, Block]:
             "q_all_heads", (None, "num_heads", "block_q", "head_dim"), ("b", 0, "i", 0), policy.qk
         )
     else:
-        q_all_heads = Block("q_all_heads", (None, "block_q", "num_heads_x_dim"), ("b", "i", 0), policy.qk)
+        q_all_heads = Block(
+            "q_all_heads", (None, "block_q", "num_heads", "head_dim"), ("b", "i", 0, 0), policy.qk
+        )
     q_all_heads = dataclasses.replace(q_all_heads, operand="q")
     weights_all_heads = Block(
         "weights_all_heads",
@@ -372,6 +373,9 @@ def build(variant: Variant) -> VariantPlan:
             walk=COMPUTE_BLOCKS if highest_f32 else VISIBLE_PIECES,
         )
     ]
+    # dq's finish broadcasts each head's weights along D by the MXU (a one-hot matmul) where heads are
+    # a major axis; sequence-major stacking has them along sublanes already
+    finish_mxu_per_head = 2 if variant.head_major else 0
     if variant.backward == "fused":
         dq_grid = _grid(chunked, ("b", PARALLEL), ("i", PARALLEL), ("c", PARALLEL), ("j", ARBITRARY))
         q_block = blocks["q"].shape[1:]
@@ -388,13 +392,14 @@ def build(variant: Variant) -> VariantPlan:
                 + k_tile,  # tile: the cotangent in float32
                 skip=_skip(dq_grid, "j", "i", "w_lo", "w_hi"),
                 # the relu' select of each part of the masked cotangent; once per q block on the summed
-                # [rows, D]: the weights (broadcast by the MXU) and the scale on it, q times it and its row sum
+                # [rows, D]: the weights (head-major: broadcast by the MXU; sequence-major: moved to
+                # sublanes) and the scale on it, q times it and its row sum
                 work=Work(
                     mxu_passes=1 + cotangent_parts,
                     vpu_ops=cotangent_parts,
                     useful_passes=2,
                     finish_vpu_ops=4,
-                    finish_mxu_per_head=2,
+                    finish_mxu_per_head=finish_mxu_per_head,
                 ),
             )
         )
@@ -442,7 +447,7 @@ def build(variant: Variant) -> VariantPlan:
                     vpu_ops=cotangent_parts + 2,
                     useful_passes=3,
                     finish_vpu_ops=4,
-                    finish_mxu_per_head=2,
+                    finish_mxu_per_head=finish_mxu_per_head,
                     finish_mxu_per_key=4 * scaled,
                 ),
             )

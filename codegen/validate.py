@@ -51,7 +51,7 @@ def _tpu_problems(spec: FamilySpec, variant: Variant) -> list[Problem]:
                     f"must be a multiple of {geometry.LANES} on TPU (lanes of a compute block's slice of the tile)",
                 )
             )
-    heads, head_dim, chunk = spec.model.num_heads, spec.model.head_dim, variant.head_chunk
+    heads, chunk, q_dtype = spec.model.num_heads, variant.head_chunk, variant.policy.qk
     if chunk and heads % chunk:
         problems.append(
             Problem(
@@ -60,13 +60,15 @@ def _tpu_problems(spec: FamilySpec, variant: Variant) -> list[Problem]:
                 f"must divide model.num_heads = {heads} (or be 0 for all heads)",
             )
         )
-    elif chunk and chunk != heads and variant.q_layout == "seq_major" and (chunk * head_dim) % geometry.LANES:
+    elif chunk and chunk != heads and variant.q_layout == "seq_major" and chunk % geometry.sublanes(q_dtype):
         problems.append(
             Problem(
                 _head_chunk_path(variant),
                 chunk,
-                f"with q_layout seq_major, head_chunk * model.head_dim = {chunk * head_dim} must be a multiple "
-                f"of {geometry.LANES} on TPU (the q block's lanes), or head_chunk must equal num_heads",
+                f"with q_layout seq_major and {q_dtype} q, head_chunk must be a multiple of "
+                f"{geometry.sublanes(q_dtype)} on TPU (a chunk's q block is [block_q, head_chunk, D] of "
+                f"[B, S, H, D], whose [H, D] HBM tiles {geometry.sublanes(q_dtype)} rows of {q_dtype}), "
+                "or 0 for all heads",
             )
         )
     return problems

@@ -84,9 +84,13 @@ CASES = {
         _set("variants.matrix.head_chunk", [-1]),
         ["variants.matrix.head_chunk[0] = -1", "greater than or equal to 0"],
     ),
-    "seq_major_chunk_not_lane_aligned": (
-        lambda d: (_set("model.head_dim", 64)(d), _set("variants.matrix.head_chunk", [0, 1])(d)),
-        ["variants.matrix.head_chunk = 1", "seq_major", "multiple of 128"],
+    "seq_major_chunk_not_row_tiled": (
+        _set("variants.matrix.head_chunk", [0, 4]),
+        ["variants.matrix.head_chunk = 4", "seq_major", "float32 q", "multiple of 8 on TPU"],
+    ),
+    "seq_major_fp8_chunk_below_its_row_tile": (
+        lambda d: d["variants"]["include"][1].update(head_chunk=16),
+        ["variants.include[1].head_chunk = 16", "float8_e4m3fn q", "multiple of 32 on TPU"],
     ),
     "unknown_dtype_policy": (
         _set("variants.matrix.dtype", ["f32", "fp16"]),
@@ -277,7 +281,7 @@ def test_grad_matmul_sets_the_gradient_passes():
     assert split.exact_cotangent and rounded.exact_cotangent
     assert split.kernel("dk").work.mxu_passes == 3 and rounded.kernel("dk").work.mxu_passes == 2
     assert split.kernel("dq_dweights").work.mxu_passes == rounded.kernel("dq_dweights").work.mxu_passes == 2
-    fp8 = shipped_plans.plan("tpu_sm_fp8_q256_w2048c512f256_hc16")  # a key scale: the cotangent is not exact
+    fp8 = shipped_plans.plan("tpu_sm_fp8_q256_w2048c512f256_hcall")  # a key scale: the cotangent is not exact
     assert not fp8.exact_cotangent and fp8.kernel("dq_dweights").work.mxu_passes == 3
     assert (split.cotangent_parts, rounded.cotangent_parts, fp8.cotangent_parts) == (1, 1, 2)
     assert shipped_plans.plan("tpu_hm_f32_q128_w1024c512_hcall").grad_matmul == "plain"

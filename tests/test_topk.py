@@ -24,7 +24,7 @@ from generated.csa_v4 import _topk as topk_module
 from tests import support
 
 SMALL = sorted(n for n in VARIANTS if "_q16_w128_" in n and not n.endswith("refbwd"))
-FP8 = "tpu_sm_fp8_q256_w2048c512f256_hc16"
+FP8 = "tpu_sm_fp8_q256_w2048c512f256_hcall"
 # On the chip: one variant per q layout and dtype kind (float32, bfloat16, float8 with its scales).
 ON_CHIP = {"tpu_hm_f32_q16_w128_hcall", "tpu_sm_bf16_q16_w128_hc16", FP8}
 
@@ -88,12 +88,12 @@ def test_score_topk_is_the_dense_selection_bit_for_bit(name):
 @pytest.mark.parametrize("name", _chip_marked(["tpu_hm_f32_q16_w128_hcall", "tpu_sm_bf16_q16_w128_hc16"]))
 @pytest.mark.parametrize("seq_len, tiled", [(48, True), (40, False)])
 def test_score_topk_reads_q_in_place_where_chunks_tile_s(name, seq_len, tiled):
-    """Chunks of whole q blocks that tile S read head-major q where it lies (the forward's q block index
-    moves by the chunk's first block, scalar-prefetched): no chunk of q is sliced out, and the selection
-    is the dense one bit for bit. A ragged S (the last chunk overlaps the one before) scores slices of
-    q; so does sequence-major q, which is copied into the kernels' layout either way."""
+    """Chunks of whole q blocks that tile S read q where it lies, in either layout (the forward's q block
+    index moves by the chunk's first block, scalar-prefetched): no chunk of q is sliced out, and the
+    selection is the dense one bit for bit. A ragged S (the last chunk overlaps the one before) scores
+    slices of q."""
     module = VARIANTS[name]
-    in_place = tiled and module.VARIANT["q_layout"] == "head_major"
+    in_place = tiled
     shape = (4, 16, seq_len, 128, 300)
     q, k, weights = support.make_inputs(module.VARIANT, shape, seed=3)
     kv_start, kv_end = support.mask_batch(seq_len, shape[4], seed=4)

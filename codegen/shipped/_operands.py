@@ -103,7 +103,7 @@ class Operands(NamedTuple):
     """Kernel-ready operands: padded to whole tiles, laid out so every block is legal on TPU, and the
     visible range of every query, q block and tile."""
 
-    q: jax.Array  # head-major [B, H, S_pad, D]; sequence-major [B, S_pad, H * D], a head per D lanes
+    q: jax.Array  # head-major [B, H, S_pad, D]; sequence-major [B, S_pad, H, D]
     k: jax.Array  # [B, W_pad, D]
     weights: (
         jax.Array
@@ -149,18 +149,16 @@ def tiles(cfg, seq_len, num_blocks):
 
 def reads_in_place(variant, seq_len, queries):
     """Whether calls of ``queries`` queries at a time, tiling ``seq_len``, read q in place (``prepare``'s
-    ``q_at``): head-major q whose calls start at whole q blocks and pad nothing. (Sequence-major q is
-    copied to [B, S, H * D] either way: a chunk's slice fuses with that copy, and on a v5e at S 32768
-    copying all of q once before the chunks made score_topk 1.24 ms slower, not faster.)"""
-    head_major = variant["q_layout"] == "head_major"
-    return head_major and queries % variant["block_q"] == 0 and seq_len % queries == 0
+    ``q_at``): calls that start at whole q blocks and pad nothing. Either layout reads its q blocks
+    from the caller's array as it lies in HBM."""
+    return queries % variant["block_q"] == 0 and seq_len % queries == 0
 
 
 def prepare(cfg, q, k, weights, kv_start, kv_end, k_scale, q_at=None):
     """The kernel-ready ``Operands`` of a checked call to the variant ``cfg``: padded to whole tiles,
     with tile ranges.
 
-    ``q_at``: None, or (int32 scalar) the first of this call's queries in a head-major ``q`` that holds
+    ``q_at``: None, or (int32 scalar) the first of this call's queries in a ``q`` that holds
     more queries than ``weights`` and the bounds (the call's), read in place (``reads_in_place``)."""
     variant = cfg.variant
     # An input upcast to float32 (to have its gradient summed over mesh axes in float32: see
@@ -172,10 +170,8 @@ def prepare(cfg, q, k, weights, kv_start, kv_end, k_scale, q_at=None):
     seq_pad, blocks_pad = _geometry.round_up(seq_len, block_q), _geometry.round_up(num_blocks, block_w)
     if q_at is not None:
         q_at = jnp.reshape(q_at // block_q, (1,)).astype(jnp.int32)
-    elif cfg.head_major:
-        q = pad_to(q, 2, seq_pad)
-    else:  # a copy: HBM tiles q's [H, D], the kernels read blocks of [S, H * D]
-        q = pad_to(q, 1, seq_pad).reshape(batch, seq_pad, num_heads * head_dim)
+    else:  # the kernels read q's blocks as it lies in HBM: nothing is copied unless S is padded
+        q = pad_to(q, 2 if cfg.head_major else 1, seq_pad)
     weights = pad_to(weights, 1, seq_pad)
     chunk = variant["head_chunk"] or num_heads
     if variant["head_chunk"]:

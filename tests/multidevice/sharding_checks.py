@@ -33,7 +33,7 @@ if jax.device_count() != 8:  # pragma: no cover - a guard against running it in 
 
 BF16 = VARIANTS["tpu_sm_bf16_q16_w128_hc16"]  # sequence-major, 16-head chunks
 F32_HM = VARIANTS["tpu_hm_f32_q16_w128_hcall"]  # head-major, all heads per step
-FP8 = VARIANTS["tpu_sm_fp8_q256_w2048c512f256_hc16"]  # float8 keys with k_scale
+FP8 = VARIANTS["tpu_sm_fp8_q256_w2048c512f256_hcall"]  # float8 keys with k_scale
 COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "reduce-scatter", "collective-permute")
 
 
