@@ -147,7 +147,7 @@ def _logits(cfg, q, k, heads):
 
 
 def _contract_heads(logits, weights):
-    """sum_h weights[h] * relu(logits[h]): ``[block_q, compute_w]`` float32, a sum along sublanes."""
+    """sum_h weights[:, h] * relu(logits[:, h]): ``[block_q, compute_w]`` float32, a sum along sublanes."""
     return jnp.sum(jnp.maximum(logits, 0.0) * weights, axis=1)
 
 

@@ -243,19 +243,20 @@ def masked_cotangent_by_k(cfg, logits, g, k):
 
 def dq_dweights_from_u(u, q, weights):
     """dq and dweights of a group of heads from u (``masked_cotangent_by_k``, summed over any number of
-    compute blocks): dq = w_h * u (a head's weight is constant along its rows; ``weights`` is
-    ``[n, block_q, 1]``, or already broadcast along D) and, since relu(logit) g = relu'(logit) g
-    (q . k_w), dweights = sum_d q * u. ``[n * block_q, D]`` and ``[n, block_q, 1]`` (each head's
-    column, as the lane sum leaves it) float32, before the softmax scale."""
-    n, block_q = weights.shape[:2]
-    u = u.reshape(n, block_q, -1)
+    compute blocks): dq = w_h * u (a head's weight is constant along its rows; ``weights`` is shaped as
+    the logits stack the heads, ``[n, block_q, 1]`` head-major or ``[block_q, n, 1]`` sequence-major,
+    or already broadcast along D) and, since relu(logit) g = relu'(logit) g (q . k_w), dweights =
+    sum_d q * u. ``[rows, D]`` (stacked as u) and ``weights.shape[:2] + (1,)`` (as the lane sum leaves
+    it) float32, before the softmax scale."""
+    u = u.reshape(*weights.shape[:2], -1)
     dweights = jnp.sum(upcast(q, jnp.float32).reshape(u.shape) * u, axis=2, keepdims=True)
-    return (u * weights).reshape(n * block_q, -1), dweights
+    return (u * weights).reshape(-1, u.shape[2]), dweights
 
 
 def lane_broadcast(x, column, width):
     """``x[:, column]`` broadcast across ``width`` lanes, ``[rows, width]`` float32, by the MXU (x times a
-    one-hot ``[columns, width]``, exact): a lane broadcast costs the XLU an operation per vreg."""
+    one-hot ``[columns, width]``, exact): a lane broadcast costs the XLU an operation per vreg. (The
+    head-major dq finish's weights; sequence-major has them along sublanes already.)"""
     one_hot = jax.lax.broadcasted_iota(jnp.int32, (x.shape[1], width), 0) == column
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     return matmul(x, one_hot.astype(x.dtype), precision)
