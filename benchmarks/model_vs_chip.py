@@ -7,8 +7,8 @@ measured on the chip (``benchmarks/chip_constants.py``: what a call of empty gri
 run back to back, as the bench runs them). Forward: its program. Forward + gradient: the forward
 kernel and the gradient program's kernels and XLA programs. Measured: ``benchmarks/results/v5e.json``
 (the production variants at the bench's two shapes, the cases the model's chip facts were read
-against) and the cases it was not tuned on (``v5e-untuned-*.json``: another shape, the float8 and
-float32-weights variants). Prints a markdown table (docs/performance.md, "The model against the
+against) and the cases it was not tuned on (``v5e-untuned-*.json``: the float8 and float32-weights
+variants at three shapes). Prints a markdown table (docs/performance.md, "The model against the
 chip"); takes minutes (libtpu).
 
     python benchmarks/model_vs_chip.py
