@@ -52,6 +52,7 @@ def _tpu_problems(spec: FamilySpec, variant: Variant) -> list[Problem]:
                 )
             )
     heads, chunk, q_dtype = spec.model.num_heads, variant.head_chunk, variant.policy.qk
+    rows = geometry.sublanes(q_dtype)  # of a q block's [heads, D], as HBM tiles it
     if chunk and heads % chunk:
         problems.append(
             Problem(
@@ -60,14 +61,14 @@ def _tpu_problems(spec: FamilySpec, variant: Variant) -> list[Problem]:
                 f"must divide model.num_heads = {heads} (or be 0 for all heads)",
             )
         )
-    elif chunk and chunk != heads and variant.q_layout == "seq_major" and chunk % geometry.sublanes(q_dtype):
+    elif chunk and chunk != heads and variant.q_layout == "seq_major" and chunk % rows:
         problems.append(
             Problem(
                 _head_chunk_path(variant),
                 chunk,
                 f"with q_layout seq_major and {q_dtype} q, head_chunk must be a multiple of "
-                f"{geometry.sublanes(q_dtype)} on TPU (a chunk's q block is [block_q, head_chunk, D] of "
-                f"[B, S, H, D], whose [H, D] HBM tiles {geometry.sublanes(q_dtype)} rows of {q_dtype}), "
+                f"{rows} on TPU (a chunk's q block is [block_q, head_chunk, D] of "
+                f"[B, S, H, D], whose [H, D] HBM tiles {rows} rows of {q_dtype}), "
                 "or 0 for all heads",
             )
         )

@@ -260,8 +260,7 @@ def _finish_dq(dq_ref, dweights_ref, dq_acc_ref, q_ref, weights_ref, seen, softm
 def _cotangent(block, g_ref, kv_bounds_ref):
     """The cotangent of one compute block, ``[block_q, 1, compute_w]`` (to meet each query's heads) float32, zero where the query may not
     see the block: masked entries get no gradient, whatever the cotangent holds there."""
-    g = _kernel_ops.mask(block, g_ref[:, block.cols].astype(jnp.float32), kv_bounds_ref, 0.0)
-    return g[:, None, :]
+    return _kernel_ops.mask(block, g_ref[:, block.cols].astype(jnp.float32), kv_bounds_ref, 0.0)[:, None, :]
 
 
 def _dk_kernel(
