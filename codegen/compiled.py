@@ -40,6 +40,7 @@ from codegen.grid_steps import (
     once_per_batch,
     one_step_reduction,
     call_cycles,
+    dma_floor,
     steps,
 )
 from codegen.plan import COMPUTE_BLOCKS, KernelPlan, VariantPlan
@@ -136,7 +137,9 @@ def kernel_report(
         spill_stores=sched.spill_stores(full),
         loops=loops,
         steps=int(np.prod([ex[a] for a in kp.axes])),
-        cycles=call_cycles(kp, st, t, kinds),
+        cycles=call_cycles(
+            kp, st, t, kinds, dma_floor(kp, t, kinds, timing["clock_hz"] / timing["hbm_bytes_per_second"])
+        ),
         calibration_cycles=calib,
         step_dmas=dmas,
         step_dma_bytes=dma_bytes,

@@ -17,13 +17,14 @@ What the bundles cost in time, and the reports over variants, are ``codegen.comp
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import math
 import re
 
 import numpy as np
 
 from codegen import cost, schedule
 from codegen.plan import KernelPlan
+from codegen.shipped import _geometry as geometry
 
 # Conditions of a compute block's branch regions: on the block's kind and the step's place in the
 # kernel's reduction (first, last).
@@ -276,10 +277,13 @@ def reduction_flags(kp: KernelPlan, extents: dict[str, int]) -> tuple[np.ndarray
     return grid, first, last
 
 
-def call_cycles(kp: KernelPlan, st: Steps, t: cost.Tiling, kinds: np.ndarray) -> int:
-    """Cycles of a call: per grid step the bundles of the path it takes. ``kinds``: the plan's
-    classification (``cost.kind_matrix`` by the kernel's walk), [B * q blocks, pieces of the padded W]
-    in 0 empty, 1 full, 2 partial."""
+def call_cycles(
+    kp: KernelPlan, st: Steps, t: cost.Tiling, kinds: np.ndarray, floor: np.ndarray | None = None
+) -> int:
+    """Cycles of a call: per grid step the bundles of the path it takes, or ``floor`` of that step where
+    more (``dma_floor``: the DMAs the step waits on). ``kinds``: the plan's classification
+    (``cost.kind_matrix`` by the kernel's walk), [B * q blocks, pieces of the padded W] in 0 empty,
+    1 full, 2 partial."""
     ex = t.extents
     n_blocks = t.block_w // t.compute_w
     per_tile = n_blocks + len(st.tails)  # kinds' columns per w tile: the blocks (trips), then the tails
@@ -301,14 +305,58 @@ def call_cycles(kp: KernelPlan, st: Steps, t: cost.Tiling, kinds: np.ndarray) ->
     grid, first, last = reduction_flags(kp, ex)
     b, i, j = grid[0], grid[1], grid[2]
     rows = b * ex["i"] + i
-    total = st.shared * grid.shape[1] + fill_and_drain(st.sched)
     flags = first.astype(int), last.astype(int)
-    for f, l in itertools.product((0, 1), (0, 1)):
-        total += st.prologue_bundles(f, l) * int(np.sum((flags[0] == f) & (flags[1] == l)))
+    prologue = np.array([[st.prologue_bundles(f, l) for l in (0, 1)] for f in (0, 1)])
+    per_step = st.shared + prologue[flags[0], flags[1]]
     for n in range(per_tile):
-        k = kinds[rows, j * per_tile + n]
-        total += int(table[n][k, flags[0], flags[1]].sum())
-    return int(total)
+        per_step = per_step + table[n][kinds[rows, j * per_tile + n], flags[0], flags[1]]
+    if floor is not None:
+        per_step = np.maximum(per_step, floor)
+    return int(per_step.sum()) + fill_and_drain(st.sched)
+
+
+def dma_floor(kp: KernelPlan, t: cost.Tiling, kinds: np.ndarray, cycles_per_byte: float) -> np.ndarray:
+    """Per grid step (``reduction_flags``' order), the cycles of the HBM DMAs it waits on: the blocks the
+    pipeline fetches for the next step and the one it writes back from the step before, at the chip's
+    bandwidth. A step of little work (one that only stores a masked tile) takes that long, however few
+    its bundles: the pipeline keeps one step's DMAs in flight. (On a v5e the causal forward at
+    S 16384 / W 8192, whose rows of q blocks end in steps that only write -inf, took 1.27 x the
+    bundles' time.) An input's index holds still on a step with no work where the kernel's skip holds
+    it, and stays at block 0 over a q block (w tile) with none (``_operands.park``)."""
+    ex = t.extents
+    names = "bijc"
+    shape = [ex[a] if a in kp.axes else 1 for a in names]
+    grid = np.indices(shape).reshape(4, -1)
+    per_tile = kinds.shape[1] // ex["j"]
+    tiles = kinds.reshape(kinds.shape[0], ex["j"], per_tile).any(axis=2)  # [B * q blocks, w tiles]
+    rows = grid[0] * ex["i"] + grid[1]
+    work = tiles[rows, grid[2]]
+    by_work = tiles.reshape(ex["b"], ex["i"], ex["j"]).any(axis=2 if kp.skip.by == "i" else 1)
+    has_work = by_work[grid[0], grid[1] if kp.skip.by == "i" else grid[2]]
+    # the kernel's own step order: its grid axes outermost first
+    outermost_first = [names.index(a) for a in kp.axes] + [n for n, a in enumerate(names) if a not in kp.axes]
+    order = np.arange(grid.shape[1]).reshape(shape).transpose(outermost_first).reshape(-1)
+    held, parked = set(kp.skipped_operands()), set(kp.parked_operands())
+    during = np.zeros(grid.shape[1])  # bytes in flight while each step (in the kernel's order) runs
+    for block in kp.blocks:
+        index = np.stack([grid[names.index(a)] for a in block.follows if a in kp.axes] or [0 * grid[0]])
+        if block.name in parked:
+            index = np.where(has_work, index, 0)
+        index = index[:, order]
+        if block.name in held:  # a step with no work keeps the block before it
+            keep = work[order]
+            last = np.maximum.accumulate(np.where(keep, np.arange(keep.size), 0))
+            index = index[:, last]
+        changes = np.concatenate([[True], (index[:, 1:] != index[:, :-1]).any(axis=0)])
+        nbytes = math.prod(t.dims(block.shape)) * geometry.itemsize(block.dtype)
+        if block in kp.inputs:  # fetched while the step before it runs
+            during[:-1] += nbytes * changes[1:]
+        else:  # written back while the step after its last runs
+            ends = np.concatenate([changes[1:], [True]])
+            during[1:] += nbytes * ends[:-1]
+    floor = np.empty_like(during)
+    floor[order] = during * cycles_per_byte
+    return floor
 
 
 def loop_bodies(hlo: str) -> set[str]:

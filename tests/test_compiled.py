@@ -57,6 +57,27 @@ def test_compile_gate_passes_a_variant(capsys):
     assert "ok    v5e  tpu_hm_f32_q16_w128_hcall fwd" in out and "1 compiled, 0 failed" in out
 
 
+def test_dma_floor_is_what_a_step_waits_on():
+    """The forward at S 16384 / W 8192, causal, by hand: q blocks 0 to 31 see w tile 0 only, so their
+    steps at tiles 1 to 3 only write -inf. Such a step waits on the write of the tile before (bf16
+    [256, 2048]: 1 MiB) and on the fetch of what the next step reads anew: nothing in its own row (k
+    holds its tile on a step with no work), the next q block's q, weights and bounds at a row's end,
+    and k's tile 0 again after a row that ended on tile 1."""
+    plan = pipeline.load_family(SPEC_PATH).plan(PRODUCTION)
+    kp = next(k for k in plan.kernels if k.name == "forward")
+    shape = (1, 64, 16384, 128, 8192)
+    t = cost.tiling(plan, shape, kp)
+    kinds = cost.kind_matrix(t, *compiled._bounds(t.shape, 4, "causal"), walk=kp.walk)
+    floor = grid_steps.dma_floor(kp, t, kinds, 1.0).reshape(64, 4)  # bytes, [q block, w tile]
+    out, k_tile = 256 * 2048 * 2, 2048 * 128 * 2
+    next_row = 256 * 64 * 128 * 2 + 256 * 64 * 2 + 256 * 2 * 4  # q, weights, kv bounds of a q block
+    assert floor[0, 0] == 0  # nothing written before it, nothing new for step (0, 1)
+    assert floor[0, 1] == floor[0, 2] == floor[31, 2] == out
+    assert floor[0, 3] == out + next_row
+    assert floor[40, 0] == out + k_tile  # q block 40 sees tiles 0 and 1: tile 1 fetched
+    assert floor[40, 3] == out + next_row + k_tile
+
+
 def _steps_by_loop(kp, st, t, kinds) -> int:
     """A call's cycles the slow way: every grid step in turn, the bundles of its own path."""
     ex = {a: n if a in kp.axes else 1 for a, n in t.extents.items()}  # the forward has no chunk axis
@@ -121,6 +142,11 @@ def test_compiled_schedule_of_the_production_kernels(tmp_path):
             assert (
                 grid_steps.call_cycles(kp, st, t, kinds) == _steps_by_loop(kp, st, t, kinds) + fill_and_drain
             )
+            # a floor below every step's bundles changes nothing; one above them all is the call's time
+            steps_ = np.prod([ex[a] for a in kp.axes])
+            low, high = np.zeros(steps_), np.full(steps_, 10**7)
+            assert grid_steps.call_cycles(kp, st, t, kinds, low) == grid_steps.call_cycles(kp, st, t, kinds)
+            assert grid_steps.call_cycles(kp, st, t, kinds, high) == 10**7 * steps_ + fill_and_drain
         cal = (calib, compiled.CALIBRATION_BLOCK[0] * compiled.CALIBRATION_BLOCK[1])
         rep = {
             m: compiled.kernel_report(plan, kp, kp.name, sched, t, k, *cal)
