@@ -252,12 +252,22 @@ def _compile(args: argparse.Namespace) -> int:
     chosen = _chosen(args, family, _chip(targets[0]))
     programs = _programs(args.programs)
     requests, skipped = [], []
+    sparse_kernels = render.sparse_module_names(family)
+    sparse_seen = set()
     for p in chosen:
         logits = (p.head_chunk or args.shape[1]) * p.block_q * p.block_w  # of one gradient grid step
+        v = p.variant.as_dict()
+        # sparse_score uses nothing of a variant's tiling or head chunk: its programs are the same for
+        # every variant of one sparse kernel module, q layout and weights and output dtype
+        sparse_key = (sparse_kernels[p.name], v["q_layout"], v["weights_dtype"], v["out_dtype"])
         for program in programs:
             if program == "grad" and args.max_grad_logits is not None and logits > args.max_grad_logits:
                 skipped.append(f"{p.name} grad ({logits:,} logits a step)")
                 continue
+            if program in tpu_compile.SPARSE_PROGRAMS:
+                if (sparse_key, program) in sparse_seen:
+                    continue
+                sparse_seen.add((sparse_key, program))
             for chip in targets:
                 requests.append(
                     tpu_compile.Request(
@@ -377,9 +387,11 @@ def parser() -> argparse.ArgumentParser:
         help="compile every variant's programs with the real TPU compiler (libtpu, no TPU needed)",
         description=(
             "Compile the programs of VARIANT (or of every TPU variant) ahead of time for each chip with libtpu "
-            "(the tpu extra): score's forward and gradient with causal bounds, sparse_score's forward and "
-            "gradient. Prints one line per program; exit 1 if any does not compile, naming the variant, program, "
-            "kernel, chip and Mosaic's message."
+            "(the tpu extra): by default the gradients of score (causal bounds) and of sparse_score, each of "
+            "which compiles its forward kernel too; sparse_score's programs once per sparse kernel module, q "
+            "layout and dtypes (the first such variant; they use nothing of its tiling). Prints one line per "
+            "program; exit 1 if any does not compile, naming the variant, program, kernel, chip and Mosaic's "
+            "message."
         ),
     )
     p.add_argument("spec", metavar="SPEC")
@@ -392,7 +404,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--programs",
         default=",".join(tpu_compile.GATE_PROGRAMS),
-        help=f"of {', '.join(tpu_compile.PROGRAMS)} (default: all but topk, score_topk's forward)",
+        help=f"of {', '.join(tpu_compile.PROGRAMS)} (default: {','.join(tpu_compile.GATE_PROGRAMS)})",
     )
     p.add_argument(
         "--top-k", type=int, default=512, help="sparse_score's and score_topk's top_k (default 512)"

@@ -39,7 +39,10 @@ PROGRAMS = {
     # VMEM: by the threshold kernel and XLA's compaction; ``_topk.selection_kernel`` says which)
     "topk": ("forward", "topk_select"),
 }
-GATE_PROGRAMS = ("fwd", "grad", "sparse_fwd", "sparse_grad")  # what `codegen compile` compiles by default
+# What `codegen compile` compiles by default: a gradient program runs its forward kernel too (the
+# custom VJP's forward pass is the same pallas_call), so the forward programs alone add no kernel.
+GATE_PROGRAMS = ("grad", "sparse_grad")
+SPARSE_PROGRAMS = ("sparse_fwd", "sparse_grad")
 CALIBRATION = "calibration"  # the plain matmul every kernel's cycles are compared with
 # Only the schedules this package reads: without the filter libtpu writes every pass of every
 # kernel (hundreds of files per program).

@@ -25,6 +25,11 @@ from tests import support
 
 SMALL = sorted(n for n in VARIANTS if "_q16_w128_" in n and not n.endswith("refbwd"))
 FP8 = "tpu_sm_fp8_q256_w2048c512f256_hcall"
+# score_topk's selection against the dense one: every pair of q layout, dtype and head chunking once
+# (each layout with both dtypes and both chunkings, each dtype with both of the others), and float8.
+PAIRWISE = [
+    "tpu_hm_bf16_q16_w128_hc16", "tpu_hm_f32_q16_w128_hcall", "tpu_sm_bf16_q16_w128_hcall", "tpu_sm_f32_q16_w128_hc16"
+]  # fmt: skip
 # On the chip: one variant per q layout and dtype kind (float32, bfloat16, float8 with its scales).
 ON_CHIP = {"tpu_hm_f32_q16_w128_hcall", "tpu_sm_bf16_q16_w128_hc16", FP8}
 
@@ -61,7 +66,7 @@ def _call(module, q, k, weights, top_k, working_bytes=topk_module.DEFAULT_WORKIN
     return jax.jit(run)(q, k, weights, arrays)
 
 
-@pytest.mark.parametrize("name", _chip_marked(SMALL + [FP8]))
+@pytest.mark.parametrize("name", _chip_marked(PAIRWISE + ["tpu_sm_bf16_q16_w128_hc16", FP8]))
 def test_score_topk_is_the_dense_selection_bit_for_bit(name):
     module = VARIANTS[name]
     shape = (4, 16, 40, 128, 300)
