@@ -40,10 +40,15 @@ G = 8  # queries a straggler matmul: G * NS = 128 lanes
 PIECE = 256  # window columns a matmul, at most
 
 
-def prepare(idx, num_blocks, wd):
+def prepare(idx, num_blocks, wd, compact="sort"):
     """(window start per tile, int32 [B * S / T]; each slot's column in [window | stragglers], int32
     [B, S, top_k]; each query's stragglers compacted, NS a query, block 0 where fewer, flat int32; the
-    most stragglers of any query: more than NS is not supported by the prototype)."""
+    most stragglers of any query: more than NS is not supported by the prototype).
+
+    ``compact``: "sort", a cumulative count and a sort per query (what was measured), or "one-hot",
+    the count as a matmul against a triangle of ones (0/1 in bfloat16 summed in float32: exact) and
+    the compaction as a sum over the slots per straggler place (elementwise work, no sort; not yet
+    timed on a chip)."""
     import jax
     import jax.numpy as jnp
 
@@ -55,13 +60,25 @@ def prepare(idx, num_blocks, wd):
     lo_q = jnp.repeat(lo, T, axis=1)[:, :, None]
     in_window = valid & (idx >= lo_q) & (idx < lo_q + wd)
     straggler = valid & ~in_window
-    rank = jnp.cumsum(straggler, axis=2, dtype=jnp.int32) - 1
+    if compact == "sort":
+        rank = jnp.cumsum(straggler, axis=2, dtype=jnp.int32) - 1
+    else:
+        triangle = jnp.triu(jnp.ones((top_k, top_k), jnp.bfloat16))  # [j', j]: j' <= j
+        counts = jnp.einsum(
+            "bsk,kj->bsj", straggler.astype(jnp.bfloat16), triangle, preferred_element_type=jnp.float32
+        )
+        rank = counts.astype(jnp.int32) - 1
     in_group = (jnp.arange(seq_len, dtype=jnp.int32) % G)[None, :, None]
     column = jnp.where(in_window, idx - lo_q, jnp.where(straggler, wd + in_group * NS + rank, 0))
-    key = jnp.where(straggler, rank, top_k + jnp.arange(top_k, dtype=jnp.int32)[None, None, :])
-    _, rows = jax.lax.sort((key, jnp.where(straggler, idx, 0)), dimension=2, num_keys=1)
+    if compact == "sort":
+        key = jnp.where(straggler, rank, top_k + jnp.arange(top_k, dtype=jnp.int32)[None, None, :])
+        _, rows = jax.lax.sort((key, jnp.where(straggler, idx, 0)), dimension=2, num_keys=1)
+        rows = rows[:, :, :NS]
+    else:
+        place = straggler[..., None] & (rank[..., None] == jnp.arange(NS, dtype=jnp.int32))  # [B, S, K, NS]
+        rows = jnp.sum(jnp.where(place, idx[..., None], 0), axis=2, dtype=jnp.int32)
     most = jnp.max(jnp.sum(straggler, axis=2))
-    return lo.reshape(-1).astype(jnp.int32), column.astype(jnp.int32), rows[:, :, :NS].reshape(-1), most
+    return lo.reshape(-1).astype(jnp.int32), column.astype(jnp.int32), rows.reshape(-1), most
 
 
 def _kernel(lo_ref, rows_ref, q_ref, k_ref, w_ref, column_ref, out_ref, gathered_ref, *, wd, scale):
@@ -201,6 +218,8 @@ def main(argv=None) -> int:
         weights = jnp.asarray(rng.standard_normal((1, seq_len, heads)), jnp.bfloat16)
         idx = jnp.asarray(shared_indices(seq_len, top_k, rng), jnp.int32)
         lo, column, rows, most = jax.jit(prepare, static_argnums=(1, 2))(idx, num_blocks, wd)
+        one_hot = jax.jit(prepare, static_argnums=(1, 2, 3))(idx, num_blocks, wd, "one-hot")
+        assert all(np.array_equal(a, b) for a, b in zip((lo, column, rows, most), one_hot))
         got = jax.jit(sparse_forward, static_argnums=(4, 5, 6))(q, k, weights, idx, wd, 1.0, args.check)
         want = np.asarray(reference(q, k, weights, idx, 1.0))
         seen = np.isfinite(want)
@@ -226,6 +245,9 @@ def main(argv=None) -> int:
         times["prototype"] = median_ms(proto, (q, k, weights, idx, wd, 1.0), 10)
         times["its preparation"] = median_ms(
             jax.jit(prepare, static_argnums=(1, 2)), (idx, num_blocks, wd), 10
+        )
+        times["its preparation, one-hot"] = median_ms(
+            jax.jit(prepare, static_argnums=(1, 2, 3)), (idx, num_blocks, wd, "one-hot"), 10
         )
         kernel = jax.jit(window_scores, static_argnums=(6, 7))
         times["its kernel"] = median_ms(
