@@ -238,7 +238,7 @@ def _dq_dweights_kernel(
     A step only sums u, the masked cotangent by k (cfg.cotangent_parts MXU passes), into dq_acc: dq and
     dweights follow from it and q once, at the last step.
     """
-    b, i, c, j = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+    b, i, _, j = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     del w_lo_ref, w_hi_ref  # used by the index maps only
     # only the last step: the row's first block with work starts the sum, so no region zeroes it
     last = j == pl.num_programs(3) - 1
