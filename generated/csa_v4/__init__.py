@@ -82,3 +82,9 @@ VARIANTS = Variants(
         "tpu_sm_fp8_q256_w2048c512f256_hcall": tpu_sm_fp8_q256_w2048c512f256_hcall,
     }
 )
+
+# The package's own names; each variant is a module of it too (``VARIANTS``).
+__all__ = [
+    "COMPRESS_RATE", "PRODUCTION", "VARIANTS", "block_kind", "causal_kv_range", "quantize_fp8_per_token",
+    "tile_ranges", "topk_indices",
+]  # fmt: skip
