@@ -52,7 +52,8 @@ def main(argv=None) -> int:
         f"generated.{family.spec.family}", plans, chips, shape, family.spec.computation.compress_rate,
         masks=("unmasked", "causal"), programs=("fwd", "grad"), jobs=a.jobs,
     )  # fmt: skip
-    rows = [r for r in rows if r.kernel != compiled.XLA]  # the kernels alone (XLA around them: model_vs_chip.py)
+    # the kernels alone (XLA around them: model_vs_chip.py)
+    rows = [r for r in rows if r.kernel != compiled.XLA]
     import jax
 
     print(f"B,H,S,D,W = {a.shape}; JAX {jax.__version__}; compiled by libtpu, read from its final bundles")
@@ -86,7 +87,9 @@ def main(argv=None) -> int:
     print(
         "a grid step in bundles, on the full path and with every region counted as taken (the first step's "
         "zeroing, the last one's finish, the empty and masked paths), and per 64 heads x 128 queries x 1024 "
-        "blocks against MaxText's forward step (seed PR: " + ", ".join(f"{c} {n:,}" for c, n in MAXTEXT_STEP.items()) + ")"
+        "blocks against MaxText's forward step (seed PR: "
+        + ", ".join(f"{c} {n:,}" for c, n in MAXTEXT_STEP.items())
+        + ")"
     )
     print(f"{'variant':{width}s} {'chip':4s} {'kernel':12s} {'full path':>17s} {'every region':>17s}")
     for r in rows:

@@ -63,7 +63,10 @@ def main(argv=None) -> int:
     from codegen.bench import median_ms
 
     if not args.interpret and jax.devices()[0].platform != "tpu":
-        print("dense_stages times the kernels on a TPU; this machine has none (see --interpret)", file=sys.stderr)
+        print(
+            "dense_stages times the kernels on a TPU; this machine has none (see --interpret)",
+            file=sys.stderr,
+        )
         return 2
     sys.path.insert(0, "generated")
     import csa_v4
@@ -84,6 +87,7 @@ def main(argv=None) -> int:
             with contextlib.ExitStack() as patches:
                 for (owner, attribute), value in replaced.items():
                     patches.enter_context(mock.patch.object(owners[owner], attribute, value))
+
                 def score(q, k, w, s, e):  # a new function each stage: jax.jit would reuse the last one's
                     return module.score(q, k, w, kv_start=s, kv_end=e, interpret=args.interpret)
 

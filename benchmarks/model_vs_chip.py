@@ -23,7 +23,10 @@ from codegen import compiled, pipeline
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-MEASURED = [(RESULTS / "v5e.json", "tuned"), *((f, "untuned") for f in sorted(RESULTS.glob("v5e-untuned-*.json")))]
+MEASURED = [
+    (RESULTS / "v5e.json", "tuned"),
+    *((f, "untuned") for f in sorted(RESULTS.glob("v5e-untuned-*.json"))),
+]
 CONSTANTS = ROOT / "benchmarks" / "results" / "v5e_constants.json"
 MASKS = {"unmasked": "unmasked", "causal": "causal", "masked": "every block masked"}
 WITHIN = 0.25  # the bar: the model within 25% of the chip
@@ -56,7 +59,9 @@ def main() -> None:
     for path, label in MEASURED:
         measured = json.loads(path.read_text())
         dates.add(f"{measured['date']}, JAX {measured['jax']}")
-        chip = {(r["subject"], tuple(r["shape"][:5]), r["case"]): r["ms"] for r in measured["results"] if r["ms"]}
+        chip = {
+            (r["subject"], tuple(r["shape"][:5]), r["case"]): r["ms"] for r in measured["results"] if r["ms"]
+        }
         subjects = dict.fromkeys((name, shape) for name, shape, _ in chip if name in variants)
         for name, shape in sorted(subjects, key=lambda x: (x[1][2], x[0])):
             rows = compiled.explain(

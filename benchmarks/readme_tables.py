@@ -29,6 +29,8 @@ _TABLE = re.compile(
     r"(<!-- end of output -->)",
     re.DOTALL,
 )
+
+
 def documents() -> list[pathlib.Path]:
     """The files whose marked tables are kept: the README and every page under docs/."""
     return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -54,10 +56,10 @@ def rendered(text: str, compiled: bool = False) -> str:
 
     def block(m):
         if m.group("command") is not None:
-            if (m.group("compiled") and not compiled):
+            if m.group("compiled") and not compiled:
                 return m.group(0)
             return m.group(1) + run(m.group("command")) + m.group(5)
-        if (m.group("md_compiled") and not compiled):
+        if m.group("md_compiled") and not compiled:
             return m.group(0)
         return m.group(6) + run(m.group("md_command")) + m.group(10)
 

@@ -88,7 +88,9 @@ def main(argv=None) -> None:
             f"generated.{family.spec.family}", [plan], chip_names, shape, rate,
             programs=tuple(p for _, p in ROUTES), top_k=top_k, jobs=args.jobs, path=str(ROOT),
         )  # fmt: skip
-        failed = [f"{r.chip} {r.program} {r.kernel}: {r.error}" for r in rows if not r.ok and not hbm_oom(r.error)]
+        failed = [
+            f"{r.chip} {r.program} {r.kernel}: {r.error}" for r in rows if not r.ok and not hbm_oom(r.error)
+        ]
         if failed:
             raise SystemExit("did not compile: " + "; ".join(failed))
         for chip in chip_names:

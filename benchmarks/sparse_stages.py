@@ -70,7 +70,9 @@ def main(argv=None) -> int:
                     patches.enter_context(mock.patch.object(_gather, name, NOTHING))
                 # a new function each stage: jax.jit would reuse the last one's program
                 sparse = lambda q, k, w, i: module.sparse_score(q, k, w, i, route="sparse")  # noqa: E731
-                gradient = jax.jit(lambda q, k, w, i: jax.vjp(lambda *a: sparse(*a, i), q, k, w)[1](cotangent))
+                gradient = jax.jit(
+                    lambda q, k, w, i: jax.vjp(lambda *a: sparse(*a, i), q, k, w)[1](cotangent)
+                )
                 times = [f"gradient {median_ms(gradient, (q, k, weights, indices), 3):.2f}"]
                 if "scatter_add_rows" not in removed:  # the forward has no scatter-add
                     times.insert(0, f"forward {median_ms(jax.jit(sparse), (q, k, weights, indices), 5):.2f}")

@@ -29,7 +29,14 @@ SHAPES = ((1, 64, 8192, 128, 2048, 512), (1, 64, 32768, 128, 8192, 1024))
 SPARSE_SHAPES = ((1, 64, 8192, 128, 2048, 128), (1, 64, 16384, 128, 8192, 512))
 # A variant's sparse_score cases: the random and the shared selection through the sparse kernels, and
 # the random one through the dense route.
-SPARSE_CASES = ("sparse", "sparse.grad", "sparse.shared", "sparse.shared.grad", "sparse.dense", "sparse.dense.grad")
+SPARSE_CASES = (
+    "sparse",
+    "sparse.grad",
+    "sparse.shared",
+    "sparse.shared.grad",
+    "sparse.dense",
+    "sparse.dense.grad",
+)
 SPARSE_SHAPE_CASES = frozenset(
     ("stacked", "score.causal", "grad.causal", *SPARSE_CASES, "xla_sparse", "xla_sparse.grad")
 )
@@ -159,11 +166,15 @@ class Problem:
         )
         self.q = jax.random.normal(kq, dims, jnp.float32).astype(inputs["q_dtype"])
         self.k = jax.random.normal(kk, (batch, num_blocks, head_dim), jnp.float32).astype(inputs["k_dtype"])
-        self.weights = jax.random.normal(kw, (batch, seq_len, heads), jnp.float32).astype(inputs["weights_dtype"])
+        self.weights = jax.random.normal(kw, (batch, seq_len, heads), jnp.float32).astype(
+            inputs["weights_dtype"]
+        )
         self.k_scale = (
             jax.random.uniform(ks, (batch, num_blocks), jnp.float32, 0.5, 2.0) if inputs["k_scale"] else None
         )
-        self.cotangent = jax.random.normal(kg, (batch, seq_len, num_blocks), jnp.float32).astype(inputs["out_dtype"])
+        self.cotangent = jax.random.normal(kg, (batch, seq_len, num_blocks), jnp.float32).astype(
+            inputs["out_dtype"]
+        )
         start, end = (
             np.broadcast_to(np.asarray(x), (batch, seq_len))
             for x in package.causal_kv_range(np.arange(seq_len))
@@ -471,7 +482,9 @@ class Bench:
         if "loss.dense" in cases:
             dense_target = jnp.full(p.cotangent.shape, 1.0 / shape[4], jnp.float32)
             loss = lambda q, k, w, s, e: jax.value_and_grad(
-                lambda q, k, w: module.indexer_loss(q, k, w, dense_target, kv_start=s, kv_end=e, k_scale=k_scale),
+                lambda q, k, w: module.indexer_loss(
+                    q, k, w, dense_target, kv_start=s, kv_end=e, k_scale=k_scale
+                ),
                 argnums=(0, 1, 2),
             )(q, k, w)
             self.add(
@@ -487,15 +500,22 @@ class Bench:
         # Each query's top_k of its causal scores, as the indexer selects them: made by this variant's
         # forward when the first sparse case runs (the layouts' scores are the same function).
         p.selection = p.selection or (lambda: forward(*args, *causal))
-        routed = lambda route: lambda q, k, w, i: module.sparse_score(q, k, w, i, k_scale=k_scale, route=route)
+        routed = lambda route: lambda q, k, w, i: module.sparse_score(
+            q, k, w, i, k_scale=k_scale, route=route
+        )
         abstract = p.abstract_indices
         cotangent = np.ones(p.selection_shape, np.float32)
         # the random selection (the causal top_k), and one neighbouring queries share (``shared_selection``),
         # through the sparse kernels; and the random one through the dense route (the score, then a take)
         for case, label, indices, selected, sparse in (
             ("sparse", "", lambda: p.indices, lambda: p.selected, routed("sparse")),
-            ("sparse.shared", ", shared selection", lambda: p.shared_indices, lambda: p.shared_selected,
-             routed("sparse")),
+            (
+                "sparse.shared",
+                ", shared selection",
+                lambda: p.shared_indices,
+                lambda: p.shared_selected,
+                routed("sparse"),
+            ),
             ("sparse.dense", ", route='dense'", lambda: p.indices, lambda: p.selected, routed("dense")),
         ):
             with_indices = lambda *lead, indices=indices: (lambda: (*lead, indices()))
@@ -509,7 +529,10 @@ class Bench:
         if "loss.sparse" in cases:
             sparse_target = jnp.full(p.selection_shape, 1.0 / top_k, jnp.float32)
             loss = lambda q, k, w, i: jax.value_and_grad(
-                lambda q, k, w: module.indexer_loss(q, k, w, sparse_target, indices=i, k_scale=k_scale, route="sparse"), argnums=(0, 1, 2)
+                lambda q, k, w: module.indexer_loss(
+                    q, k, w, sparse_target, indices=i, k_scale=k_scale, route="sparse"
+                ),
+                argnums=(0, 1, 2),
             )(q, k, w)
             self.add(shape, "loss.sparse", f"{name} indexer_loss", loss, lambda: (*args, p.indices),
                      lambda: p.flops(p.selected, 5), (*args, abstract))  # fmt: skip
@@ -525,7 +548,9 @@ def ranking(saved: dict, variant: str, tilings: dict[str, str]) -> str:
             by.setdefault(r["subject"], {})[r["case"]] = r["ms"]
     timed = {c for times in by.values() for c in times}
     columns = [c for c in VARIANT_CASES if c in timed and c != RANK_BY] + [RANK_BY]
-    order = sorted(tilings, key=lambda n: (by.get(n, {}).get(RANK_BY) is None, by.get(n, {}).get(RANK_BY) or 0))
+    order = sorted(
+        tilings, key=lambda n: (by.get(n, {}).get(RANK_BY) is None, by.get(n, {}).get(RANK_BY) or 0)
+    )
     best = next((by[n][RANK_BY] for n in order if by.get(n, {}).get(RANK_BY)), None)
     lines = [
         f"{variant}'s tilings ranked on the chip by {RANK_BY} (ms, median; {saved.get('chip', '?')}, "

@@ -435,7 +435,8 @@ def parser() -> argparse.ArgumentParser:
         "spec", metavar="SPEC", nargs="?", default="specs/csa_v4.yaml", help="default specs/csa_v4.yaml"
     )
     p.add_argument(
-        "--cases", help="comma-separated, of " + ", ".join(_bench_cases()) + " (default: all but topk.sharded)"
+        "--cases",
+        help="comma-separated, of " + ", ".join(_bench_cases()) + " (default: all but topk.sharded)",
     )
     p.add_argument(
         "--variants", help="comma-separated variants to time instead of the spec's production ones"

@@ -166,7 +166,9 @@ def expand(spec: FamilySpec, source: str = "<spec>") -> list[Variant]:
         for index, name in enumerate(getattr(spec.tuning, field) if spec.tuning else ()):
             if name not in spec.tilings:
                 problems.append(
-                    Problem(f"tuning.{field}[{index}]", name, f"no such tiling; defined: {sorted(spec.tilings)}")
+                    Problem(
+                        f"tuning.{field}[{index}]", name, f"no such tiling; defined: {sorted(spec.tilings)}"
+                    )
                 )
 
     if problems:

@@ -89,7 +89,10 @@ def test_ranking_puts_the_fastest_forward_and_gradient_first():
     # a case --cases added (a band mask) gets its column, in the order of the cases, before the ranking one
     saved["results"].append(row("a", "score.band8", 0.6))
     lines = bench.ranking(saved, "a", tilings).splitlines()
-    assert lines[2] == "| rank | variant | block_q x block_w / compute_w | score.causal | score.band8 | grad.causal | x best |"
+    assert (
+        lines[2]
+        == "| rank | variant | block_q x block_w / compute_w | score.causal | score.band8 | grad.causal | x best |"
+    )
     assert lines[4:6] == [
         "| 1 | b | 512 x 2048 / 256 | 1.300 | - | 6.300 | 1.00 |",
         "| 2 | a | 256 x 2048 / 512 | 1.400 | 0.600 | 7.000 | 1.11 |",

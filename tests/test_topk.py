@@ -105,13 +105,21 @@ def test_score_topk_reads_q_in_place_where_chunks_tile_s(name, seq_len, tiled):
     bounds = dict(kv_start=kv_start, kv_end=kv_end)
     working_bytes = 4 * 300 * 4 * 6 * 16  # 16 queries a chunk: three chunks, the last ragged at S 40
     index, values = _call(module, q, k, weights, 64, **bounds, working_bytes=working_bytes)
-    expected_index, expected_values = _numpy_topk(support.call(module, q, k, weights, **bounds, interpret=support.INTERPRET), 64)
+    expected_index, expected_values = _numpy_topk(
+        support.call(module, q, k, weights, **bounds, interpret=support.INTERPRET), 64
+    )
     np.testing.assert_array_equal(np.asarray(index), expected_index)
     np.testing.assert_array_equal(np.asarray(values.astype(jnp.float32)), expected_values)
-    jaxpr = str(jax.make_jaxpr(lambda q: _call(module, q, k, weights, 64, **bounds, working_bytes=working_bytes))(q))
+    jaxpr = str(
+        jax.make_jaxpr(lambda q: _call(module, q, k, weights, 64, **bounds, working_bytes=working_bytes))(q)
+    )
     q_chunk = list(q.shape)
     q_chunk[2 if module.VARIANT["q_layout"] == "head_major" else 1] = 16
-    sliced = f"{jnp.dtype(q.dtype).name.replace('bfloat16', 'bf16').replace('float32', 'f32')}{q_chunk}".replace(" ", "")
+    sliced = (
+        f"{jnp.dtype(q.dtype).name.replace('bfloat16', 'bf16').replace('float32', 'f32')}{q_chunk}".replace(
+            " ", ""
+        )
+    )
     assert (sliced + " = dynamic_slice" in jaxpr.replace(", ", ",")) is not in_place
 
 
@@ -129,13 +137,16 @@ def test_score_topk_selects_chunks_scored_transposed(top_k):
     bounds = dict(kv_start=kv_start, kv_end=kv_end)
     working_bytes = 4 * 300 * 4 * 6 * 256
     index, values = _call(module, q, k, weights, top_k, **bounds, working_bytes=working_bytes)
-    expected_index, expected_values = _numpy_topk(support.call(module, q, k, weights, **bounds, interpret=support.INTERPRET), top_k)
+    expected_index, expected_values = _numpy_topk(
+        support.call(module, q, k, weights, **bounds, interpret=support.INTERPRET), top_k
+    )
     np.testing.assert_array_equal(np.asarray(index), expected_index)
     np.testing.assert_array_equal(np.asarray(values.astype(jnp.float32)), expected_values)
 
-
     def score_transposed_by_xla(working_bytes):  # a [W, rows] transpose of a chunk's score
-        call = functools.partial(_call, module, k=k, weights=weights, top_k=top_k, working_bytes=working_bytes)
+        call = functools.partial(
+            _call, module, k=k, weights=weights, top_k=top_k, working_bytes=working_bytes
+        )
         return re.search(r"bf16\[300,\d+\] = transpose", str(jax.make_jaxpr(lambda q: call(q, **bounds))(q)))
 
     assert not score_transposed_by_xla(working_bytes)

@@ -89,7 +89,14 @@ def test_compiled_explain_costs_the_topk_selection_once_per_block_of_rows():
     assert compiled._topk_chunks("generated.csa_v4", "", (1, 64, 8192, 128, 4096), plan) == 2
     shape = (1, 8, 512, 128, 256)
     rows = compiled.explain(
-        "generated.csa_v4", [plan], ["v6e"], shape, 4, masks=("unmasked", "causal"), programs=("topk",), top_k=16
+        "generated.csa_v4",
+        [plan],
+        ["v6e"],
+        shape,
+        4,
+        masks=("unmasked", "causal"),
+        programs=("topk",),
+        top_k=16,
     )
     assert {r.kernel for r in rows} == {"forward", "topk_select", compiled.XLA} and all(r.ok for r in rows)
     select = {r.mask: r.report for r in rows if r.kernel == "topk_select"}
