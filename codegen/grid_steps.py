@@ -325,8 +325,8 @@ def dma_floor(kp: KernelPlan, t: cost.Tiling, kinds: np.ndarray, cycles_per_byte
     it, and stays at block 0 over a q block (w tile) with none (``_operands.park``)."""
     ex = t.extents
     names = "bijc"
+    grid, _, _ = reduction_flags(kp, ex)
     shape = [ex[a] if a in kp.axes else 1 for a in names]
-    grid = np.indices(shape).reshape(4, -1)
     per_tile = kinds.shape[1] // ex["j"]
     tiles = kinds.reshape(kinds.shape[0], ex["j"], per_tile).any(axis=2)  # [B * q blocks, w tiles]
     rows = grid[0] * ex["i"] + grid[1]
