@@ -30,8 +30,8 @@ each query's last top_k - 16 visible blocks and 16 others; at most 16 stragglers
         prototype 2.287 (0.57 x) and 11.663 (0.49 x); its kernels 1.399 and 8.164
 
 Scores agree with the reference to the bit; dq, dk and dweights within 3.5e-3 of the largest magnitude
-of a float32 reference, except dq at S 16384 (2.3e-2, where interpret mode at S 4096, H 2, top_k 512
-is within 2.7e-3: not yet explained).
+of a float32 reference, except dq at S 16384 (2.3e-2: a relu gate at a logit within float32 rounding
+of 0 opens in one summation order and not the other, moving a whole term; ``_relative_norm``).
 """
 
 from __future__ import annotations
@@ -479,6 +479,15 @@ def _relative(got, want):
     )
 
 
+def _relative_norm(got, want):
+    """The error's norm relative to the reference's. dq's largest error is not a measure: a relu's gate at
+    a logit within float32 rounding of 0 opens in one summation order and not in another, which moves a
+    whole slot's term of dq (at S 4096, H 64, top_k 512 in interpret mode: a logit of 2.7e-7, an error of
+    1.4e-2 of dq's largest magnitude, against 2.7e-3 at H 2)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="CPU, interpret mode, a small shape")
@@ -518,11 +527,14 @@ def main(argv=None) -> int:
         seen = np.isfinite(np.asarray(want))
         assert most <= NS and (np.isfinite(np.asarray(got)) == seen).all()
         errors = [_relative(np.asarray(got)[seen], np.asarray(want)[seen])]
-        errors += [_relative(a, b) for a, b in zip(got_grads, want_grads)]
+        errors += [_relative_norm(a, b) for a, b in zip(got_grads, want_grads)]
+        largest = [_relative(a, b) for a, b in zip(got_grads, want_grads)]
         print(f"S {seq_len}, W {num_blocks}, top_k {top_k}, window {wd}: at most {most} stragglers a query, "
-              "relative error of the score, dq, dk, dweights: " + ", ".join(f"{e:.1e}" for e in errors), flush=True)  # fmt: skip
-        if not (errors[0] < 1e-5 and max(errors[1:]) < 2e-2):
-            print("  not within 1e-5 (score) and 2e-2 (gradients)", flush=True)
+              "the score's largest error relative to its largest magnitude, and dq, dk, dweights' error norms "
+              "relative to theirs: " + ", ".join(f"{e:.1e}" for e in errors) + "; the gradients' largest "
+              "errors: " + ", ".join(f"{e:.1e}" for e in largest), flush=True)  # fmt: skip
+        if not (errors[0] < 1e-5 and max(errors[1:]) < 1e-2):
+            print("  not within 1e-5 (score) and 1e-2 (gradients)", flush=True)
             if args.check:
                 return 1
         if args.check:
