@@ -50,14 +50,14 @@ PIECE = 256  # window columns a matmul, at most
 
 def prepare(idx, num_blocks, wd, compact="sort"):
     """(window start per tile, int32 [B * S / T]; each slot's column in [window | stragglers], int32
-    [B, S, top_k]; each query's stragglers compacted, NS a query, block 0 where fewer, flat int32; the
-    most stragglers of any query: more than NS is not supported by the prototype; each query's
-    stragglers' slots, int32 [B, S, NS], -1 where fewer).
+    [B, S, top_k]; each query's stragglers compacted, NS a query, rows of its window where fewer, flat
+    int32; the most stragglers of any query: more than NS is not supported by the prototype; each
+    query's stragglers' slots, int32 [B, S, NS], -1 where fewer).
 
-    ``compact``: "sort", a cumulative count and a sort per query (what was measured), or "one-hot",
-    the count as a matmul against a triangle of ones (0/1 in bfloat16 summed in float32: exact) and
-    the compaction as a sum over the slots per straggler place (elementwise work, no sort; not yet
-    timed on a chip)."""
+    ``compact``: "sort", a cumulative count and a sort per query, or "one-hot", the count as a matmul
+    against a triangle of ones (0/1 in bfloat16 summed in float32: exact) and the compaction as a sum
+    over the slots per straggler place (elementwise work, no sort). On a v5e the whole preparation took
+    0.37 ms sorted and 0.59 one-hot at S 8192 / top_k 128, 2.40 and 1.32 at S 16384 / top_k 512."""
     import jax
     import jax.numpy as jnp
 
@@ -127,6 +127,8 @@ CONTRACT_FIRST = (((0,), (0,)), ((), ()))  # a [n, m] . b [n, p] -> [m, p]
 
 
 def _kernel(lo_ref, rows_ref, q_ref, k_ref, w_ref, column_ref, out_ref, gathered_ref, *, wd, scale):
+    """The scores of one q tile's slots [T, top_k]: the window's and the stragglers' scores, then each
+    slot's taken out of them (``_lane_take``)."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
