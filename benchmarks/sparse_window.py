@@ -40,7 +40,13 @@ import argparse
 import functools
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from codegen.bench import median_ms, shared_selection, with_gradient
 
 T = 64  # queries a grid step
 NS = 16  # straggler slots a query
@@ -58,8 +64,6 @@ def prepare(idx, num_blocks, wd, compact="sort"):
     against a triangle of ones (0/1 in bfloat16 summed in float32: exact) and the compaction as a sum
     over the slots per straggler place (elementwise work, no sort). On a v5e the whole preparation took
     0.37 ms sorted and 0.59 one-hot at S 8192 / top_k 128, 2.40 and 1.32 at S 16384 / top_k 512."""
-    import jax
-    import jax.numpy as jnp
 
     batch, seq_len, top_k = idx.shape
     tiles = seq_len // T
@@ -102,8 +106,6 @@ def _gather_stragglers(rows_ref, k_ref, gathered_ref):
     """Copies the tile's T * NS straggler rows of k into ``gathered_ref``, one row a copy, all of them
     before any matmul reads them (a loop per group of G queries, each followed by its matmul, took
     0.89 ms at S 8192 where this takes 0.49, window and extraction left out)."""
-    import jax
-    from jax.experimental import pallas as pl
 
     def gather(r, carry):
         for u in range(16):
@@ -116,7 +118,6 @@ def _gather_stragglers(rows_ref, k_ref, gathered_ref):
 
 def _tile(q_ref, w_ref):
     """The tile's q with every head stacked along rows [T * H, D], and its weights [T, H, 1] float32."""
-    import jax.numpy as jnp
 
     _, heads, head_dim = q_ref.shape
     return q_ref[...].reshape(T * heads, head_dim), w_ref[...].astype(jnp.float32)[:, :, None]
@@ -126,12 +127,26 @@ CONTRACT_LAST = (((1,), (1,)), ((), ()))  # a [m, D] . b [n, D] -> [m, n]
 CONTRACT_FIRST = (((0,), (0,)), ((), ()))  # a [n, m] . b [n, p] -> [m, p]
 
 
+def _window_logits(stacked, k_ref, at, heads):
+    """The keys of window piece ``at`` (bfloat16) and every head's logits against them, [T, H, piece]."""
+    keys = k_ref[at, :].astype(jnp.bfloat16)
+    logits = jax.lax.dot_general(stacked, keys, CONTRACT_LAST, preferred_element_type=jnp.float32)
+    return keys, logits.reshape(T, heads, keys.shape[0])
+
+
+def _group_logits(stacked, gathered_ref, g, heads):
+    """Straggler group ``g``: its G queries' stacked q [G * H, D], their gathered rows (bfloat16,
+    [G * NS, D]) and every head's logits against all of them, [G, H, G * NS] (a query's own at lanes
+    (s % G) * NS onwards)."""
+    queries = stacked[g * G * heads : (g + 1) * G * heads]
+    rows = gathered_ref[g * G * NS : (g + 1) * G * NS, :].astype(jnp.bfloat16)
+    logits = jax.lax.dot_general(queries, rows, CONTRACT_LAST, preferred_element_type=jnp.float32)
+    return queries, rows, logits.reshape(G, heads, G * NS)
+
+
 def _kernel(lo_ref, rows_ref, q_ref, k_ref, w_ref, column_ref, out_ref, gathered_ref, *, wd, scale):
     """The scores of one q tile's slots [T, top_k]: the window's and the stragglers' scores, then each
     slot's taken out of them (``_lane_take``)."""
-    import jax
-    import jax.numpy as jnp
-    from jax.experimental import pallas as pl
 
     b, i = pl.program_id(0), pl.program_id(1)
     lo = pl.multiple_of(lo_ref[b * pl.num_programs(1) + i], 16)
@@ -141,16 +156,12 @@ def _kernel(lo_ref, rows_ref, q_ref, k_ref, w_ref, column_ref, out_ref, gathered
     chunks = []  # [T, 128] float32 scores: the window's, then the stragglers'
     piece = min(PIECE, wd)
     for p in range(wd // piece):
-        keys = k_ref[pl.ds(lo + p * piece, piece), :].astype(jnp.bfloat16)
-        logits = jax.lax.dot_general(stacked, keys, CONTRACT_LAST, preferred_element_type=jnp.float32)
-        scores = jnp.sum(jnp.maximum(logits.reshape(T, heads, piece), 0.0) * weights, axis=1)
+        _, logits = _window_logits(stacked, k_ref, pl.ds(lo + p * piece, piece), heads)
+        scores = jnp.sum(jnp.maximum(logits, 0.0) * weights, axis=1)
         chunks += [scores[:, c * 128 : (c + 1) * 128] for c in range(piece // 128)]
     groups = []
     for g in range(T // G):
-        queries = stacked[g * G * heads : (g + 1) * G * heads]
-        rows = gathered_ref[g * G * NS : (g + 1) * G * NS, :].astype(jnp.bfloat16)
-        logits = jax.lax.dot_general(queries, rows, CONTRACT_LAST, preferred_element_type=jnp.float32)
-        logits = logits.reshape(G, heads, G * NS)
+        _, _, logits = _group_logits(stacked, gathered_ref, g, heads)
         groups.append(jnp.sum(jnp.maximum(logits, 0.0) * weights[g * G : (g + 1) * G], axis=1))
     chunks.append(jnp.concatenate(groups, axis=0))
     out_ref[...] = scale * _lane_take(chunks, column_ref[...])
@@ -160,7 +171,6 @@ def _lane_take(chunks, column):
     """``[T, n]`` float32: at each (row, slot), column ``column`` of the 128-lane ``chunks`` laid side by
     side: a lane gather per chunk, the slot's chunk selected (a gather across more than one vreg does not
     lower)."""
-    import jax.numpy as jnp
 
     chunk, lane = column >> 7, column & 127
     out = jnp.zeros(column.shape, jnp.float32)
@@ -180,13 +190,11 @@ def _grad_kernel(
     the cotangent of its slots (scale folded in, 0 at empty slots).
 
     The window's cotangent [T, wd] sums each slot's into its column: for each column a compare over the
-    tile's slots laid along sublanes ([top_k, T]: a column a scalar compared with all of them); then the
-    window runs as the dense backward does (logits again, dweights, dq by k, dk by q). A straggler's
-    cotangent is a lane gather from its slot; its rows' dk is contracted 128 rows a group, then added
-    row by row."""
-    import jax
-    import jax.numpy as jnp
-    from jax.experimental import pallas as pl
+    tile's slots laid along sublanes ([top_k / 2, 2 * T]: a column a scalar compared with all of them);
+    then the window runs as the dense backward does (logits again, u = the opened cotangent by k, dk by
+    q). A straggler's cotangent is a lane gather from its slot; its u is summed with the window's, its
+    rows' dk contracted 128 rows a group, then added to dk 16 distinct rows at a time. dq = w * u and
+    dweights = sum_d q * u, once."""
 
     b, i = pl.program_id(0), pl.program_id(1)
     lo = pl.multiple_of(lo_ref[b * pl.num_programs(1) + i], 16)
@@ -214,9 +222,7 @@ def _grad_kernel(
     piece = min(PIECE, wd)
     for p in range(wd // piece):
         at = pl.ds(lo + p * piece, piece)
-        keys = k_ref[at, :].astype(jnp.bfloat16)
-        logits = jax.lax.dot_general(stacked, keys, CONTRACT_LAST, preferred_element_type=jnp.float32)
-        logits = logits.reshape(T, heads, piece)
+        keys, logits = _window_logits(stacked, k_ref, at, heads)
         g = window_g[:, None, p * piece : (p + 1) * piece]
         opened = jnp.where(logits > 0, g, 0.0)
         u = jnp.dot(
@@ -235,10 +241,7 @@ def _grad_kernel(
     chunks = [g_all[:, c * 128 : (c + 1) * 128] for c in range(g_all.shape[1] // 128)]
     straggler_g = jnp.where(spread >= 0, _lane_take(chunks, jnp.maximum(spread, 0)), 0.0)  # [T, G * NS]
     for g in range(T // G):
-        queries = stacked[g * G * heads : (g + 1) * G * heads]
-        rows = gathered_ref[g * G * NS : (g + 1) * G * NS, :].astype(jnp.bfloat16)
-        logits = jax.lax.dot_general(queries, rows, CONTRACT_LAST, preferred_element_type=jnp.float32)
-        logits = logits.reshape(G, heads, G * NS)
+        queries, rows, logits = _group_logits(stacked, gathered_ref, g, heads)
         opened = jnp.where(logits > 0, straggler_g[g * G : (g + 1) * G, None, :], 0.0)
         u_ref[g * G * heads : (g + 1) * G * heads, :] += jnp.dot(
             opened.reshape(G * heads, G * NS).astype(jnp.bfloat16), rows, preferred_element_type=jnp.float32
@@ -267,9 +270,6 @@ def _spread(slots):
     lane (s % G) * NS + r of a [T, G * NS] row, -1 at the other lanes. The copy along lanes is the MXU's,
     a one-hot matmul of the slots' high and low nibbles (each exact in bfloat16: a slot id past 256 is
     not)."""
-    import jax
-    import jax.numpy as jnp
-
     shape = (T, G * NS)
     copy = jax.lax.broadcasted_iota(jnp.int32, (NS, G * NS), 1) % NS == jax.lax.broadcasted_iota(
         jnp.int32, (NS, G * NS), 0
@@ -286,7 +286,6 @@ def _spread(slots):
 
 
 def _params(interpret):
-    from jax.experimental.pallas import tpu as pltpu
 
     return dict(
         compiler_params=pltpu.CompilerParams(
@@ -298,10 +297,6 @@ def _params(interpret):
 
 def window_scores(q, k32, weights, lo, column, rows, wd, scale, interpret=False):
     """The prototype's forward pallas_call: q [B, S, H, D] bf16, k32 [B, W, D] float32 (resident)."""
-    import jax
-    import jax.numpy as jnp
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import tpu as pltpu
 
     batch, seq_len, heads, head_dim = q.shape
     top_k, num_blocks, tiles = column.shape[2], k32.shape[1], seq_len // T
@@ -331,10 +326,6 @@ def window_scores(q, k32, weights, lo, column, rows, wd, scale, interpret=False)
 def window_grads(q, k32, weights, lo, column, rows, slots, g, wd, interpret=False):
     """The prototype's backward pallas_call: (dq like q, dweights float32 [B, S, H], dk float32 [B, W, D])
     from ``g``, the slots' cotangent times the scale, 0 at empty slots."""
-    import jax
-    import jax.numpy as jnp
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import tpu as pltpu
 
     batch, seq_len, heads, head_dim = q.shape
     top_k, num_blocks, tiles = column.shape[2], k32.shape[1], seq_len // T
@@ -388,33 +379,22 @@ def window_grads(q, k32, weights, lo, column, rows, slots, g, wd, interpret=Fals
     return dq, dw.reshape(batch, seq_len, heads), dk
 
 
-@functools.partial(__import__("jax").custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def sparse_forward(q, k, weights, idx, wd, scale, interpret=False, compact="one-hot"):
     """The prototype's sparse score, -inf at empty slots, differentiable in q, k and weights."""
     return _forward(q, k, weights, idx, wd, scale, interpret, compact)[0]
 
 
 def _forward(q, k, weights, idx, wd, scale, interpret, compact):
-    import jax.numpy as jnp
 
     k32 = k.astype(jnp.float32)
     lo, column, rows, _, slots = prepare(idx, k.shape[1], wd, compact)
     out = window_scores(q, k32, weights, lo, column, rows, wd, scale, interpret)
-    return jnp.where(idx >= 0, out, -jnp.inf), (
-        q,
-        k32,
-        weights,
-        idx,
-        lo,
-        column,
-        rows,
-        slots,
-        jnp.zeros((), k.dtype),
-    )
+    residuals = (q, k32, weights, idx, lo, column, rows, slots, jnp.zeros((), k.dtype))
+    return jnp.where(idx >= 0, out, -jnp.inf), residuals
 
 
 def _backward(wd, scale, interpret, compact, residuals, cotangent):
-    import jax.numpy as jnp
 
     q, k32, weights, idx, lo, column, rows, slots, k_like = residuals
     g = jnp.where(idx >= 0, cotangent, 0.0) * scale
@@ -430,7 +410,6 @@ sparse_forward.defvjp(
 
 def reference(q, k, weights, idx, scale):
     """The same scores from a gather and two einsums, in float32."""
-    import jax.numpy as jnp
 
     rows = jnp.take_along_axis(k[:, None], jnp.maximum(idx, 0)[..., None], axis=2)  # [B, S, top_k, D]
     logits = jnp.einsum(
@@ -443,7 +422,6 @@ def reference(q, k, weights, idx, scale):
 
 def shared_indices(seq_len, top_k, rng):
     """``bench.shared_selection`` of the causal bounds (rate 4), its slots in a random order."""
-    from codegen.bench import shared_selection
 
     end = (np.arange(seq_len) + 1) // 4
     chosen = shared_selection(np.zeros((1, seq_len), np.int64), end[None], top_k)
@@ -456,10 +434,6 @@ def _reference_in_chunks(q, k, weights, cotangent, idx, scale, chunk=2048):
     """``reference`` and its VJP in float32, ``chunk`` queries at a time (its gathered rows are
     [B, S, top_k, D] float32; the dk of each chunk summed). float32 copies of the inputs: XLA's gradient
     of a bfloat16 gather sums its rows in bfloat16 (5% off on the CPU)."""
-    import jax
-    import jax.numpy as jnp
-
-    from codegen.bench import with_gradient
 
     program = jax.jit(with_gradient(reference))
     q, k, weights = (x.astype(jnp.float32) for x in (q, k, weights))
@@ -494,11 +468,6 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="CPU, interpret mode, a small shape")
     args = parser.parse_args(argv)
-
-    import jax
-    import jax.numpy as jnp
-
-    from codegen.bench import median_ms, with_gradient
 
     if not args.check and jax.devices()[0].platform != "tpu":
         print(
