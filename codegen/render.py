@@ -29,8 +29,8 @@ from codegen.plan import VariantPlan
 BLACK_MODE = black.Mode(line_length=110, target_versions={black.TargetVersion.PY310})
 # Copied from codegen/shipped/ into every family package (see codegen/shipped/__init__.py).
 SHIPPED = (
-    "_geometry", "_checks", "_fp8", "_mesh", "_kernel_ops", "_operands", "_gather", "_autodiff", "_helpers",
-    "_select", "_topk",
+    "_geometry", "_checks", "_fp8", "_mesh", "_kernel_ops", "_operands", "_gather", "_autodiff", "_take",
+    "_helpers", "_select", "_topk",
 )  # fmt: skip
 _BACKWARD = {
     "fused": "fused Pallas kernels (``_dense.backward``: dq with dweights and dk in one where one w tile covers W, "

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from codegen import cost, plan, reference
-from generated.csa_v4 import VARIANTS, _gather, _geometry, _helpers, topk_indices
+from generated.csa_v4 import VARIANTS, _gather, _geometry, _helpers, _take, topk_indices
 from tests import support
 from tests.conftest import ONE_PER_SPARSE_KERNELS, SPARSE_MODULES
 from tests.spec_cases import ROOT, family
@@ -217,11 +217,56 @@ def test_sparse_score_checks_indices_and_takes_k_in_windows_past_vmem():
         )
 
 
-def test_route_auto_takes_the_sparse_kernels():
-    """``route="auto"``: the sparse kernels at any W / top_k (the dense route, the score and XLA's take of
-    the slots, was the slower at every W / top_k timed on a v5e); ``"dense"``: the dense forward and
-    no sparse kernel; a route that is none of the three is a ValueError before tracing."""
-    assert [_helpers.sparse_route(r) for r in ("auto", "dense", "sparse")] == ["sparse", "dense", "sparse"]
+@pytest.mark.chip
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 11, 40, 7), (1, 64, 2304, 600)],  # ragged everywhere; several w tiles of each kernel, 64-row blocks
+    ids=["ragged", "tiles"],
+)
+def test_dense_route_take_is_the_slots_bit_for_bit_and_its_transpose_adds_them_up(shape, dtype):
+    """``_take.take``: each slot's score exactly, 0 at an index outside [0, W) (-1, below 0, at or past
+    W); its gradient puts each slot's cotangent at its block, a block selected twice getting the sum,
+    rounded once to the scores' dtype, and nothing anywhere else (outputs NaN until written, off the chip)."""
+    batch, seq_len, width, top_k = shape
+    indices = _indices(batch, seq_len, width, top_k, seed=5)
+    scores = jax.random.normal(jax.random.PRNGKey(0), (batch, seq_len, width), jnp.float32).astype(dtype)
+    interpret = support.tpu_interpret_params()
+    taken, vjp = jax.vjp(lambda s: _take.take(s, indices, interpret), scores)
+    valid = (indices >= 0) & (indices < width)
+    expected = jnp.where(valid, jnp.take_along_axis(scores, jnp.clip(indices, 0, width - 1), axis=2), 0)
+    assert taken.dtype == scores.dtype
+    np.testing.assert_array_equal(np.asarray(taken, np.float32), np.asarray(expected, np.float32))
+
+    g = jax.random.normal(jax.random.PRNGKey(1), indices.shape, jnp.float32).astype(dtype)
+    (put,) = vjp(g)
+    summed = np.zeros((batch, seq_len, width), np.float64)
+    for b, s, j in zip(*np.nonzero(np.asarray(valid))):
+        summed[b, s, indices[b, s, j]] += float(g[b, s, j])
+    assert put.dtype == scores.dtype
+    if dtype == "bfloat16":  # a float32 sum of bfloat16 terms, rounded once
+        np.testing.assert_array_equal(np.asarray(put, np.float32), summed.astype(np.float32).astype(dtype))
+    else:  # each slot exact (three bfloat16 pieces); a duplicate's sum in float32's order of terms
+        np.testing.assert_allclose(
+            np.asarray(put), summed, rtol=2**-22, atol=2**-22 * float(jnp.max(jnp.abs(g)))
+        )
+
+
+def test_route_auto_takes_the_dense_route_up_to_its_crossover():
+    """``route="auto"``: the dense route (the score over each query's span of selected blocks, then
+    ``_take``) at W / top_k <= DENSE_ROUTE_MAX_RATIO where the [B, S, W] scores fit DENSE_ROUTE_BYTES, the
+    sparse kernels otherwise; "dense" and "sparse" as named; a route that is none of the three is a
+    ValueError before tracing."""
+    ratio, budget = _helpers.DENSE_ROUTE_MAX_RATIO, _helpers.DENSE_ROUTE_BYTES
+    route = lambda r, width, top_k, seq_len=8192, dtype="bfloat16": _helpers.sparse_route(
+        r, 1, seq_len, width, top_k, dtype
+    )
+    assert [route("auto", 2048, t) for t in (2048 // ratio, 2048 // ratio - 1)] == ["dense", "sparse"]
+    big = budget // 2 // 2048  # the most queries whose bfloat16 scores at W 2048 fit the budget
+    assert [route("auto", 2048, 512, seq_len=s) for s in (big, big + 1)] == ["dense", "sparse"]
+    assert route("auto", 2048, 512, seq_len=big, dtype="float32") == "sparse"
+    assert [route(r, 2048, 1) for r in ("dense", "sparse")] == ["dense", "sparse"]
+
     module = VARIANTS["tpu_hm_bf16_q256_w2048c512f256_hcall"]
     q, k, weights = support.make_inputs(module.VARIANT, (1, 16, 8, 128, 64), seed=0)
     name = module.VARIANT["name"]
@@ -230,11 +275,13 @@ def test_route_auto_takes_the_sparse_kernels():
         indices = jnp.zeros((1, 8, top_k), jnp.int32)
         lowered = lambda q, k, w: module.sparse_score(q, k, w, indices, route=route)
         text = support.lower_for_tpu(lowered, q, k, weights)
-        return f"{name}_forward" in text, "sparse" in text.replace("sparse_score", "")
+        return f"{name}_forward" in text and "take_slots" in text, "sparse" in text.replace(
+            "sparse_score", ""
+        )
 
-    # W / top_k = 64 (one slot in 64 blocks), 16 and 1: the sparse kernels only
-    assert [kernels(top_k, "auto") for top_k in (1, 4, 64)] == [(False, True)] * 3
-    assert kernels(4, "dense") == (True, False)  # the dense forward, no sparse kernel
+    # W 64: top_k 1 (W / top_k 64) the sparse kernels only; 4 (16) and 64 (1) the dense route only
+    assert [kernels(top_k, "auto") for top_k in (1, 4, 64)] == [(False, True), (True, False), (True, False)]
+    assert kernels(1, "dense") == (True, False)
     for call in (
         lambda: module.sparse_score(q, k, weights, jnp.zeros((1, 8, 4), jnp.int32), route="gather"),
         lambda: module.indexer_loss(q, k, weights, jnp.zeros((1, 8, 64)), route="Sparse"),

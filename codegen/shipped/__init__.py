@@ -10,6 +10,7 @@ shares at run time is split by concern, each module importing only those above i
 - ``_operands``: a call's inputs padded and ranged for the dense kernels, and their ``pallas_call``;
 - ``_gather``: what the sparse kernels share (k's windows, slot orders, row loops, their ``pallas_call``);
 - ``_autodiff``: the custom-VJP wiring of ``score`` and ``sparse_score``, and the reference backward;
+- ``_take``: the dense route's take of each query's selected slots from its scores, and its transpose;
 - ``_helpers``: the family's functions for callers (``Variants``, ``causal_kv_range``, ``topk_indices``,
   the indexer loss);
 - ``_topk``: ``score_topk``, top_k selection without the ``[B, S, W]`` scores.

@@ -7,7 +7,7 @@ import difflib
 import jax
 import jax.numpy as jnp
 
-from . import _family
+from . import _family, _take
 from ._checks import check_indices, check_inputs, check_kv_bound, check_top_k, q_dims
 from ._kernel_ops import ACCUM_DTYPE
 from ._operands import pad_to
@@ -100,15 +100,19 @@ def topk_indices(scores, top_k, *, method="exact"):
 
 
 # How ``sparse_score`` and the sparse ``indexer_loss`` score the selected blocks: "sparse" gathers each
-# query's top_k keys (the sparse kernels), "dense" scores every block and takes the selected ones
-# ([B, S, W] scores in HBM, then XLA's take of the slots), "auto" the faster, which is the sparse
-# kernels wherever it was measured. On a TPU v5e (JAX 0.10.2, causal, bfloat16, ``codegen bench``'s
-# sparse and sparse.dense cases) the dense route took 7.0x the sparse kernels' time at W / top_k = 4
-# (S 8192, W 2048: 47.2 ms against 6.75; forward + gradient 99.7 against 27.8, 3.6x) and 9.1x at 16
-# (S 16384, W 8192: 122 ms against 13.4; 273 against 54.1, 5.1x): the take alone costs ~14 ns a slot,
-# against ~1.6 for the sparse forward's gather, so no W / top_k makes the dense route cheaper. Chips
-# we have not measured take the same choice.
+# query's top_k keys (the sparse kernels: work that grows with top_k, never W), "dense" scores the blocks
+# between each query's lowest and highest selected one and takes the selected ones from those scores
+# (``_take``; the [B, S, W] scores in HBM), "auto" the faster where it was measured. On a TPU v5e (JAX
+# 0.10.2, causal top_k selections, bfloat16, ``codegen bench``'s sparse and sparse.dense cases; docs/
+# performance.md, "The dense route"), forward and forward + gradient, ms, dense route against sparse:
+# W / top_k 4 (S 8192, W 2048): 1.06 / 7.48 against 6.67 / 28.2; 16: 0.91 / 5.51 against 2.90 / 11.1
+# (S 16384, W 8192: 5.40 / 35.0 against 13.4 / 54.0); 32: 0.91 / 5.37 against 0.95 / 3.28 (S 16384:
+# 4.80 / 29.1 against 8.36 / 32.0). The sparse kernels' work falls with top_k, the dense route's
+# does not: "auto" takes the dense route at W / top_k <= DENSE_ROUTE_MAX_RATIO where the scores fit
+# DENSE_ROUTE_BYTES, else the sparse kernels. Chips we have not measured take the same choice.
 ROUTES = ("auto", "dense", "sparse")
+DENSE_ROUTE_MAX_RATIO = 16
+DENSE_ROUTE_BYTES = 512 * 2**20  # the [B, S, W] scores (and, for the gradient, their cotangent)
 
 
 def check_route(route):
@@ -117,27 +121,34 @@ def check_route(route):
         raise ValueError(f"route must be one of {', '.join(map(repr, ROUTES))}, got {route!r}")
 
 
-def sparse_route(route):
-    """The route ``route`` takes: "dense" or "sparse" ("auto": the sparse kernels, faster at every W and
-    top_k measured; see ``ROUTES``); ValueError for a route not in ``ROUTES``."""
+def sparse_route(route, batch, seq_len, width, top_k, score_dtype):
+    """The route ``route`` takes for top_k of W blocks per query: "dense" or "sparse" ("auto": see
+    ``ROUTES``); ValueError for a route not in ``ROUTES``."""
     check_route(route)
-    return "sparse" if route == "auto" else route
+    if route != "auto":
+        return route
+    fits = batch * seq_len * width * jnp.dtype(score_dtype).itemsize <= DENSE_ROUTE_BYTES
+    return "dense" if fits and width <= DENSE_ROUTE_MAX_RATIO * top_k else "sparse"
 
 
 def routed_sparse_score(variant, score, sparse_score, q, k, weights, indices, *, route, k_scale,
                         softmax_scale, interpret):  # fmt: skip
     """A variant's ``sparse_score`` by ``route`` (``sparse_route``): its sparse kernels, or its dense
-    ``score`` of every block with the selected ones taken from it (-inf, and no gradient, in an empty
-    slot; a block selected twice gets both slots' gradients, as the sparse kernels give them)."""
+    ``score`` over each query's span of selected blocks with the selected ones taken from it (``_take``;
+    -inf, and no gradient, in an empty slot; a block selected twice gets both slots' gradients, as the
+    sparse kernels give them)."""
     check_inputs(q, k, weights, variant)
     batch, _, seq_len, _ = q_dims(q, variant["q_layout"])
     indices = check_indices(indices, batch, seq_len)
+    width, top_k = k.shape[1], indices.shape[2]
     kwargs = dict(k_scale=k_scale, softmax_scale=softmax_scale, interpret=interpret)
-    if sparse_route(route) == "sparse":
+    if sparse_route(route, batch, seq_len, width, top_k, variant["out_dtype"]) == "sparse":
         return sparse_score(q, k, weights, indices, **kwargs)
-    scores = score(q, k, weights, **kwargs)
-    picked = (indices >= 0) & (indices < k.shape[1])
-    selected = jnp.take_along_axis(scores, jnp.where(picked, indices, 0), axis=2)
+    picked = (indices >= 0) & (indices < width)
+    kv_start = jnp.min(jnp.where(picked, indices, width), axis=2)  # W and 0: a query with none sees none
+    kv_end = jnp.max(jnp.where(picked, indices + 1, 0), axis=2)
+    scores = score(q, k, weights, kv_start=kv_start, kv_end=kv_end, **kwargs)
+    selected = _take.take(scores, jnp.where(picked, indices, -1), interpret)
     return jnp.where(picked, selected, _family.MASKED_VALUE).astype(scores.dtype)
 
 

@@ -148,7 +148,8 @@ def sparse_score(q, k, weights, indices, *, k_scale=None, softmax_scale=None, ro
     [0, W) (both mean "no block"). Differentiable in q, k and weights: duplicate
     indices add up, empty slots get no gradient. ``route="sparse"``: two Pallas kernels gather each
     query's top_k rows of k (``_sparse_bf16``), nothing of size W per query; "dense": ``score``
-    of every block, the selected ones taken from it; "auto": the sparse kernels (``_helpers.ROUTES``).
+    over each query's span of selected blocks, the selected ones taken from it (``_take``); "auto":
+    dense up to W / top_k 16 where the scores fit, else sparse (``_helpers.ROUTES``).
 
     Args:
       q, k, weights, softmax_scale, interpret: as for ``score``.
