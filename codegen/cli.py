@@ -253,7 +253,7 @@ def _compile(args: argparse.Namespace) -> int:
     programs = _programs(args.programs)
     requests, skipped = [], []
     sparse_kernels = render.sparse_module_names(family)
-    sparse_seen = set()
+    sparse_seen, route_seen = set(), set()
     for p in chosen:
         logits = (p.head_chunk or args.shape[1]) * p.block_q * p.block_w  # of one gradient grid step
         v = p.variant.as_dict()
@@ -268,6 +268,10 @@ def _compile(args: argparse.Namespace) -> int:
                 if (sparse_key, program) in sparse_seen:
                     continue
                 sparse_seen.add((sparse_key, program))
+            if program in tpu_compile.ROUTE_PROGRAMS:  # its dense kernels are grad's: once per scores' dtype
+                if v["out_dtype"] in route_seen:
+                    continue
+                route_seen.add(v["out_dtype"])
             for chip in targets:
                 requests.append(
                     tpu_compile.Request(

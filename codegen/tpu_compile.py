@@ -35,14 +35,18 @@ PROGRAMS = {
     "grad": ("forward", "dq_dweights", "dk", "dq_dk"),  # dq_dk, or the other two: ``cost.call_kernels``
     "sparse_fwd": ("sparse_forward",),
     "sparse_grad": ("sparse_forward", "sparse_backward"),
+    # sparse_score's dense route: the score over the selection's span, each slot taken from it, and in
+    # the gradient the slots' cotangents put back (``_take``) before the dense backward
+    "route_grad": ("forward", "dq_dweights", "dk", "dq_dk", "take_slots", "put_slots"),
     # score_topk: the forward kernel on query chunks, each cut by the selection kernel (rows too wide for
     # VMEM: by the threshold kernel and XLA's compaction; ``_topk.selection_kernel`` says which)
     "topk": ("forward", "topk_select"),
 }
 # What `codegen compile` compiles by default: a gradient program runs its forward kernel too (the
 # custom VJP's forward pass is the same pallas_call), so the forward programs alone add no kernel.
-GATE_PROGRAMS = ("grad", "sparse_grad")
+GATE_PROGRAMS = ("grad", "sparse_grad", "route_grad")
 SPARSE_PROGRAMS = ("sparse_fwd", "sparse_grad")
+ROUTE_PROGRAMS = ("route_grad",)
 CALIBRATION = "calibration"  # the plain matmul every kernel's cycles are compared with
 # Only the schedules this package reads: without the filter libtpu writes every pass of every
 # kernel (hundreds of files per program).
@@ -208,7 +212,7 @@ def _variant_program(request: Request):
         jax.ShapeDtypeStruct((B, W, D), jnp.dtype(v["k_dtype"])),
         jax.ShapeDtypeStruct((B, S, H), jnp.dtype(v["weights_dtype"])),
     ]
-    sparse = request.program.startswith("sparse")
+    sparse = request.program in SPARSE_PROGRAMS or request.program in ROUTE_PROGRAMS  # indices, no bounds
     extra = {}
     if sparse:
         extra["indices"] = jax.ShapeDtypeStruct((B, S, request.top_k), jnp.int32)
@@ -223,14 +227,15 @@ def _variant_program(request: Request):
         if request.program == "topk":
             return module.score_topk(q, k, w, request.top_k, **kw)
         if sparse:
-            return module.sparse_score(q, k, w, kw.pop("indices"), route="sparse", **kw)
+            route = "dense" if request.program in ROUTE_PROGRAMS else "sparse"
+            return module.sparse_score(q, k, w, kw.pop("indices"), route=route, **kw)
         return module.score(q, k, w, **kw)
 
     def loss(q, k, w, *rest):
         x = call(q, k, w, *rest).astype(jnp.float32)
         return jnp.sum(jnp.where(jnp.isfinite(x), x, 0.0))
 
-    gradient = request.program in ("grad", "sparse_grad")
+    gradient = request.program in ("grad", "sparse_grad", "route_grad")
     fn = (lambda *a: jax.grad(loss, argnums=(0, 1, 2))(*a)) if gradient else call
     return fn, args + list(extra.values())
 

@@ -69,6 +69,18 @@ def test_compile_gate_compiles_sparse_programs_once_per_sparse_kernel_module(cap
     assert "tpu_sm_bf16_q16_w128_hcall" not in out and "2 compiled, 0 failed" in out
 
 
+def test_compile_gate_compiles_the_dense_route_once_per_score_dtype(capsys):
+    """The dense route's own kernels (the take and its transpose) depend only on the scores' dtype, and
+    its dense kernels are the variant's gradient program's: one route program per scores' dtype."""
+    argv = ["compile", str(SPEC_PATH), "tpu_sm_bf16_q16_w128_hc16", "tpu_hm_bf16_q16_w128_hc16",
+            "tpu_hm_f32_q16_w128_hcall", "--chip", "v5e", "--programs", "route_grad", "--shape", "1,16,256,128,128"]  # fmt: skip
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "ok    v5e  tpu_sm_bf16_q16_w128_hc16 route_grad" in out
+    assert "ok    v5e  tpu_hm_f32_q16_w128_hcall route_grad" in out
+    assert "tpu_hm_bf16_q16_w128_hc16" not in out and "2 compiled, 0 failed" in out
+
+
 def test_dma_floor_is_what_a_step_waits_on():
     """The forward at S 16384 / W 8192, causal, by hand: q blocks 0 to 31 see w tile 0 only, so their
     steps at tiles 1 to 3 only write -inf. Such a step waits on the write of the tile before (bf16
