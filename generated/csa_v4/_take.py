@@ -31,7 +31,8 @@ LANES = _geometry.LANES
 ROWS = 64  # queries a grid step, where S allows (else 8)
 GROUP = 8  # rows a transpose matmul: one sublane group
 TAKE_LANE_GROUPS = 16  # lane groups of scores a take step reads: 2048 blocks
-# The transpose's one-hot A is [8 groups, 8 top_k] float32: its lane groups a step shrink as top_k grows.
+# The transpose's A is [8 x lane groups, 8 x top_k] float32: a step puts back at most this many
+# (lane groups x top_k), so that A stays within [128, 4096] (2 MiB): 16 lane groups at top_k 512, 4 at 2048.
 PUT_SLOT_GROUPS = 16 * 512
 VMEM_LIMIT_BYTES = 48 * 2**20
 
