@@ -241,8 +241,9 @@ def test_dense_route_take_is_the_slots_bit_for_bit_and_its_transpose_adds_them_u
     g = jax.random.normal(jax.random.PRNGKey(1), indices.shape, jnp.float32).astype(dtype)
     (put,) = vjp(g)
     summed = np.zeros((batch, seq_len, width), np.float64)
+    index, g_host = np.asarray(indices), np.asarray(g, np.float64)
     for b, s, j in zip(*np.nonzero(np.asarray(valid))):
-        summed[b, s, indices[b, s, j]] += float(g[b, s, j])
+        summed[b, s, index[b, s, j]] += g_host[b, s, j]
     assert put.dtype == scores.dtype
     if dtype == "bfloat16":  # a float32 sum of bfloat16 terms, rounded once
         np.testing.assert_array_equal(np.asarray(put, np.float32), summed.astype(np.float32).astype(dtype))
