@@ -148,7 +148,7 @@ def routed_sparse_score(variant, score, sparse_score, q, k, weights, indices, *,
     kv_start = jnp.min(jnp.where(picked, indices, width), axis=2)  # W and 0: a query with none sees none
     kv_end = jnp.max(jnp.where(picked, indices + 1, 0), axis=2)
     scores = score(q, k, weights, kv_start=kv_start, kv_end=kv_end, **kwargs)
-    selected = _take.take(scores, jnp.where(picked, indices, -1), interpret)
+    selected = _take.take(scores, indices, interpret)  # nothing at an index outside [0, W)
     return jnp.where(picked, selected, _family.MASKED_VALUE).astype(scores.dtype)
 
 

@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import _geometry
+from ._kernel_ops import CONTRACT_LAST
 from ._mesh import interpretable, out_struct
 
 LANES = _geometry.LANES
@@ -144,7 +145,6 @@ def _put_kernel(g_ref, indices_ref, out_ref, *, tile):
     a_rows = jax.lax.broadcasted_iota(jnp.int32, (groups * GROUP, slots), 0)
     a_row, a_group = a_rows % GROUP, a_rows // GROUP
     lanes = jax.lax.broadcasted_iota(jnp.int32, (LANES, slots), 0)
-    contract_last = (((1,), (1,)), ((), ()))
 
     def eight_rows(t, carry):
         r0 = pl.multiple_of(t * GROUP, GROUP)
@@ -162,7 +162,7 @@ def _put_kernel(g_ref, indices_ref, out_ref, *, tile):
             [(lane[r : r + 1] == lanes).astype(jnp.bfloat16) for r in range(GROUP)], axis=1
         )  # [l, (r', j)]
         out = sum(
-            jax.lax.dot_general(piece, one_hot, contract_last, preferred_element_type=jnp.float32)
+            jax.lax.dot_general(piece, one_hot, CONTRACT_LAST, preferred_element_type=jnp.float32)
             for piece in _pieces(a, g_ref.dtype)
         )
         for c in range(groups):
@@ -179,7 +179,7 @@ def _put_call(cotangent, indices, width, interpret):
     rows = _rows(seq_len)
     cotangent = _padded(cotangent, rows, LANES, 0)
     indices = _padded(indices, rows, LANES, -1)
-    padded_width = width + (-width % LANES)
+    padded_width = _geometry.round_up(width, LANES)
     slots = indices.shape[2]
     tile = LANES * _lane_groups(padded_width, max(1, PUT_SLOT_GROUPS // slots))
     by_rows = pl.BlockSpec((None, rows, slots), lambda b, i, j: (b, i, 0))
