@@ -221,15 +221,22 @@ def test_sparse_score_checks_indices_and_takes_k_in_windows_past_vmem():
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize(
     "shape",
-    [(2, 11, 40, 7), (1, 64, 2304, 600)],  # ragged everywhere; several w tiles of each kernel, 64-row blocks
-    ids=["ragged", "tiles"],
+    # ragged everywhere; several w tiles of each kernel, 64-row blocks; a band sliding down the rows (row s
+    # selects from [20 s, 20 s + 700)), so that row blocks skip w tiles before and after what they select
+    [(2, 11, 40, 7, None), (1, 64, 2304, 600, None), (1, 192, 4608, 300, 700)],
+    ids=["ragged", "tiles", "band"],
 )
 def test_dense_route_take_is_the_slots_bit_for_bit_and_its_transpose_adds_them_up(shape, dtype):
     """``_take.take``: each slot's score exactly, 0 at an index outside [0, W) (-1, below 0, at or past
     W); its gradient puts each slot's cotangent at its block, a block selected twice getting the sum,
-    rounded once to the scores' dtype, and nothing anywhere else (outputs NaN until written, off the chip)."""
-    batch, seq_len, width, top_k = shape
+    rounded once to the scores' dtype, and nothing anywhere else (outputs NaN until written, off the chip),
+    zeros in the w tiles a row block selects nothing from."""
+    batch, seq_len, width, top_k, band = shape
     indices = _indices(batch, seq_len, width, top_k, seed=5)
+    if band:
+        rng = np.random.default_rng(6)
+        banded = 20 * np.arange(seq_len)[None, :, None] + rng.integers(0, band, (batch, seq_len, top_k))
+        indices = jnp.asarray(np.where(rng.random(banded.shape) < 0.1, -1, banded), jnp.int32)
     scores = jax.random.normal(jax.random.PRNGKey(0), (batch, seq_len, width), jnp.float32).astype(dtype)
     interpret = support.tpu_interpret_params()
     taken, vjp = jax.vjp(lambda s: _take.take(s, indices, interpret), scores)

@@ -15,6 +15,10 @@ Pallas kernels, because XLA's take and its transpose on a TPU move one element a
   and a float32 cotangent is split into three bfloat16 pieces (24 bits), one pass each.
 
 An index outside ``[0, W)`` takes nothing (0; the caller masks it) and puts nothing back.
+
+Both skip the w tiles a row block selects nothing from (``_tile_spans``, by scalar prefetch, as the
+dense kernels skip masked tiles): a causal selection at S 16384 / W 8192 never selects past block
+4096, and a row block's selection ends at its queries' causal frontier.
 """
 
 import functools
@@ -80,37 +84,76 @@ def _lane_groups(width, most):
     return max(d for d in range(1, min(groups, most) + 1) if groups % d == 0)
 
 
-def _take_kernel(indices_ref, scores_ref, out_ref, *, tile):
-    j = pl.program_id(2)
+def _tile_spans(indices, width, rows, tile):
+    """The w tiles each row block selects from: ``(first, end)`` int32 ``[B * S / rows]``, its lowest
+    selected block's tile and one past its highest's; ``(0, 0)`` where it selects none in ``[0, width)``.
+    A reduction over the indices, in XLA, before the kernels."""
+    batch, seq_len, slots = indices.shape
+    flat = indices.reshape(batch * (seq_len // rows), rows * slots)
+    valid = (flat >= 0) & (flat < width)
+    lowest = jnp.min(jnp.where(valid, flat, width), axis=1)
+    end = jnp.max(jnp.where(valid, flat + 1, 0), axis=1)
+    some = end > 0
+    first = jnp.where(some, lowest // tile, 0)
+    end = jnp.where(some, (end + tile - 1) // tile, 0)
+    return first.astype(jnp.int32), end.astype(jnp.int32)
+
+
+def _selects(first_ref, end_ref, b, i, j):
+    """Whether step (b, i, j)'s row block selects some block of its w tile ``j``."""
+    row = b * pl.num_programs(1) + i
+    return (first_ref[row] <= j) & (j < end_ref[row])
+
+
+def _selected_tile(num_row_blocks, b, i, j, first_ref, end_ref):
+    """The w tile step (b, i, j) reads: j clamped into the row block's span, so a step that selects
+    nothing keeps its neighbour's tile and no DMA is issued."""
+    row = b * num_row_blocks + i
+    first = first_ref[row]
+    return jnp.clip(j, first, jnp.maximum(end_ref[row] - 1, first))
+
+
+def _take_kernel(first_ref, end_ref, indices_ref, scores_ref, out_ref, *, tile):
+    b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
     @pl.when(j == 0)
     def _():
         out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
 
-    at = indices_ref[...] - j * tile
-    group, lane = at >> 7, at & (LANES - 1)
-    out = out_ref[...].astype(jnp.float32)
-    for c in range(tile // LANES):
-        values = scores_ref[:, c * LANES : (c + 1) * LANES].astype(jnp.float32)
-        got = jnp.take_along_axis(values, lane, axis=1, mode="promise_in_bounds")
-        out = jnp.where(group == c, got, out)
-    out_ref[...] = out.astype(out_ref.dtype)
+    @pl.when(_selects(first_ref, end_ref, b, i, j))
+    def _():
+        at = indices_ref[...] - j * tile
+        group, lane = at >> 7, at & (LANES - 1)
+        out = out_ref[...].astype(jnp.float32)
+        for c in range(tile // LANES):
+            values = scores_ref[:, c * LANES : (c + 1) * LANES].astype(jnp.float32)
+            got = jnp.take_along_axis(values, lane, axis=1, mode="promise_in_bounds")
+            out = jnp.where(group == c, got, out)
+        out_ref[...] = out.astype(out_ref.dtype)
 
 
 def _take_call(scores, indices, interpret):
-    batch, seq_len, _ = scores.shape
+    batch, seq_len, scores_width = scores.shape
     top_k = indices.shape[2]
     rows = _rows(seq_len)
     scores = _padded(scores, rows, LANES, 0)
     indices = _padded(indices, rows, LANES, -1)
     width = scores.shape[2]
     tile = LANES * _lane_groups(width, TAKE_LANE_GROUPS)
-    by_rows = pl.BlockSpec((None, rows, indices.shape[2]), lambda b, i, j: (b, i, 0))
+    num_row_blocks = scores.shape[1] // rows
+    by_rows = pl.BlockSpec((None, rows, indices.shape[2]), lambda b, i, j, *_: (b, i, 0))
+    tile_at = functools.partial(_selected_tile, num_row_blocks)
     out = pl.pallas_call(
         functools.partial(_take_kernel, tile=tile),
-        grid=(batch, scores.shape[1] // rows, width // tile),
-        in_specs=[by_rows, pl.BlockSpec((None, rows, tile), lambda b, i, j: (b, i, j))],
-        out_specs=by_rows,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(batch, num_row_blocks, width // tile),
+            in_specs=[
+                by_rows,
+                pl.BlockSpec((None, rows, tile), lambda b, i, j, *s: (b, i, tile_at(b, i, j, *s))),
+            ],
+            out_specs=by_rows,
+        ),
         out_shape=out_struct(indices.shape, scores.dtype, scores),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"), vmem_limit_bytes=VMEM_LIMIT_BYTES
@@ -122,7 +165,7 @@ def _take_call(scores, indices, interpret):
         ),
         interpret=interpret,
         name="take_slots",
-    )(indices, scores)
+    )(*_tile_spans(indices, scores_width, rows, tile), indices, scores)
     return out[:, :seq_len, :top_k]
 
 
@@ -140,8 +183,21 @@ def _pieces(g, dtype):
     return pieces
 
 
-def _put_kernel(g_ref, indices_ref, out_ref, *, tile):
-    j = pl.program_id(2)
+def _put_kernel(first_ref, end_ref, g_ref, indices_ref, out_ref, *, tile):
+    b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    selects = _selects(first_ref, end_ref, b, i, j)
+
+    @pl.when(jnp.logical_not(selects))
+    def _():
+        out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+
+    @pl.when(selects)
+    def _():
+        _put_tile(g_ref, indices_ref, out_ref, j * tile, tile)
+
+
+def _put_tile(g_ref, indices_ref, out_ref, tile_lo, tile):
+    """The transpose of one [rows, tile] tile: 8 rows a matmul."""
     rows, slots = g_ref.shape
     groups = tile // LANES
     a_rows = jax.lax.broadcasted_iota(jnp.int32, (groups * GROUP, slots), 0)
@@ -151,7 +207,7 @@ def _put_kernel(g_ref, indices_ref, out_ref, *, tile):
     def eight_rows(t, carry):
         r0 = pl.multiple_of(t * GROUP, GROUP)
         g = g_ref[pl.ds(r0, GROUP), :].astype(jnp.float32)
-        at = indices_ref[pl.ds(r0, GROUP), :] - j * tile
+        at = indices_ref[pl.ds(r0, GROUP), :] - tile_lo
         group, lane = at >> 7, at & (LANES - 1)
         a = jnp.concatenate(
             [
@@ -184,12 +240,15 @@ def _put_call(cotangent, indices, width, interpret):
     padded_width = _geometry.round_up(width, LANES)
     slots = indices.shape[2]
     tile = LANES * _lane_groups(padded_width, max(1, PUT_SLOT_GROUPS // slots))
-    by_rows = pl.BlockSpec((None, rows, slots), lambda b, i, j: (b, i, 0))
+    by_rows = pl.BlockSpec((None, rows, slots), lambda b, i, j, *_: (b, i, 0))
     out = pl.pallas_call(
         functools.partial(_put_kernel, tile=tile),
-        grid=(batch, cotangent.shape[1] // rows, padded_width // tile),
-        in_specs=[by_rows, by_rows],
-        out_specs=pl.BlockSpec((None, rows, tile), lambda b, i, j: (b, i, j)),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(batch, cotangent.shape[1] // rows, padded_width // tile),
+            in_specs=[by_rows, by_rows],
+            out_specs=pl.BlockSpec((None, rows, tile), lambda b, i, j, *_: (b, i, j)),
+        ),
         out_shape=out_struct((batch, cotangent.shape[1], padded_width), cotangent.dtype, cotangent),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel"), vmem_limit_bytes=VMEM_LIMIT_BYTES
@@ -201,5 +260,5 @@ def _put_call(cotangent, indices, width, interpret):
         ),
         interpret=interpret,
         name="put_slots",
-    )(cotangent, indices)
+    )(*_tile_spans(indices, width, rows, tile), cotangent, indices)
     return out[:, :seq_len, :width]
