@@ -594,3 +594,25 @@ def test_window_prototype_is_the_gathered_score_and_its_gradient():
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "at most 16 stragglers a query" in done.stdout
+
+
+def test_route_stages_runs_every_part_of_the_dense_route():
+    """``benchmarks/route_stages.py``, the chip's account of the dense route (its whole against the dense
+    score's and its parts), runs all seven programs in interpret mode at a small shape."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/route_stages.py",
+            "--interpret",
+            "--shape",
+            "256,256,16",
+            "--heads",
+            "16",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [line for line in done.stdout.splitlines() if line.startswith("S 256, W 256, top_k 16, ")]
+    assert len(rows) == 7 and all(line.endswith(" ms") for line in rows), done.stdout
