@@ -68,11 +68,7 @@ def main(argv=None) -> int:
 
         causal = csa_v4.causal_kv_range(jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (1, seq_len)))
         indices = csa_v4.topk_indices(jax.jit(score)(q, k, weights, *causal), top_k)
-        picked = (indices >= 0) & (indices < width)
-        span = (  # what the route scores: each query's lowest to highest selected block
-            jnp.min(jnp.where(picked, indices, width), axis=2),
-            jnp.max(jnp.where(picked, indices + 1, 0), axis=2),
-        )
+        span = _take.span(indices, width)  # what the route scores: each query's selected blocks' span
         ones_w = jnp.ones((1, seq_len, width), out_dtype)
         ones_k = jnp.ones((1, seq_len, top_k), out_dtype)
         transpose = lambda g, i: jax.vjp(lambda s: _take.take(s, i, interpret), ones_w)[1](g)[0]  # noqa: E731

@@ -144,11 +144,10 @@ def routed_sparse_score(variant, score, sparse_score, q, k, weights, indices, *,
     kwargs = dict(k_scale=k_scale, softmax_scale=softmax_scale, interpret=interpret)
     if sparse_route(route, batch, seq_len, width, top_k, variant["out_dtype"]) == "sparse":
         return sparse_score(q, k, weights, indices, **kwargs)
-    picked = (indices >= 0) & (indices < width)
-    kv_start = jnp.min(jnp.where(picked, indices, width), axis=2)  # W and 0: a query with none sees none
-    kv_end = jnp.max(jnp.where(picked, indices + 1, 0), axis=2)
+    kv_start, kv_end = _take.span(indices, width)  # W and 0: a query with none sees none
     scores = score(q, k, weights, kv_start=kv_start, kv_end=kv_end, **kwargs)
     selected = _take.take(scores, indices, interpret)  # nothing at an index outside [0, W)
+    picked = (indices >= 0) & (indices < width)
     return jnp.where(picked, selected, _family.MASKED_VALUE).astype(scores.dtype)
 
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import _geometry
+from . import _geometry, _operands
 from ._kernel_ops import CONTRACT_LAST
 from ._mesh import interpretable, out_struct
 
@@ -38,6 +38,15 @@ TAKE_LANE_GROUPS = 16  # lane groups of scores a take step reads: 2048 blocks
 # (lane groups x top_k), so that A stays within [128, 4096] (2 MiB): 16 lane groups at top_k 512, 4 at 2048.
 PUT_SLOT_GROUPS = 16 * 512
 VMEM_LIMIT_BYTES = 48 * 2**20
+
+
+def span(indices, width):
+    """Each query's span of selected blocks, ``(lowest, highest + 1)`` int32 ``[B, S]`` over its indices
+    in ``[0, width)``; ``(width, 0)``, empty, where it selects none: the ``kv_start``, ``kv_end`` the
+    dense route scores, and what the kernels' w tile spans follow from."""
+    picked = (indices >= 0) & (indices < width)
+    lowest = jnp.min(jnp.where(picked, indices, width), axis=2)
+    return lowest.astype(jnp.int32), jnp.max(jnp.where(picked, indices + 1, 0), axis=2).astype(jnp.int32)
 
 
 def take(scores, indices, interpret=False):
@@ -83,18 +92,11 @@ def _lane_groups(width, most):
 
 
 def _tile_spans(indices, width, rows, tile):
-    """The w tiles each row block selects from: ``(first, end)`` int32 ``[B * S / rows]``, its lowest
-    selected block's tile and one past its highest's; ``(0, 0)`` where it selects none in ``[0, width)``.
-    A reduction over the indices, in XLA, before the kernels."""
-    batch, seq_len, slots = indices.shape
-    flat = indices.reshape(batch * (seq_len // rows), rows * slots)
-    valid = (flat >= 0) & (flat < width)
-    lowest = jnp.min(jnp.where(valid, flat, width), axis=1)
-    end = jnp.max(jnp.where(valid, flat + 1, 0), axis=1)
-    some = end > 0
-    first = jnp.where(some, lowest // tile, 0)
-    end = jnp.where(some, (end + tile - 1) // tile, 0)
-    return first.astype(jnp.int32), end.astype(jnp.int32)
+    """The w tiles each row block selects from, ``(first, end)`` int32 ``[B * S / rows]``: its queries'
+    spans bounded as the dense kernels bound a q block's, in tiles; ``(0, 0)`` where it selects none in
+    ``[0, width)``. In XLA, before the kernels."""
+    any_lo, any_hi, _, _ = _geometry.query_block_bounds(*span(indices, width), rows)
+    return any_lo // tile, -(-any_hi // tile)
 
 
 def _selects(first_ref, end_ref, b, i, j):
@@ -107,8 +109,7 @@ def _selected_tile(num_row_blocks, b, i, j, first_ref, end_ref):
     """The w tile step (b, i, j) reads: j clamped into the row block's span, so a step that selects
     nothing keeps its neighbour's tile and no DMA is issued."""
     row = b * num_row_blocks + i
-    first = first_ref[row]
-    return jnp.clip(j, first, jnp.maximum(end_ref[row] - 1, first))
+    return _operands.clamp(j, first_ref[row], end_ref[row])
 
 
 def _take_kernel(first_ref, end_ref, indices_ref, scores_ref, out_ref, *, tile):
